@@ -1,0 +1,294 @@
+"""One configuration schema for every entry point (CLI, Flower run config, checkpoints).
+
+Keys are kebab-case and identical everywhere (ARCHITECTURE.md section 7). Each key is declared once in
+``FIELDS`` with its type, default, allowed values or range and help text; ``Config.from_mapping``
+validates a whole mapping before any work starts and raises ``ConfigError`` naming the key, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range.
+
+    The message names the key, the value given and what is allowed.
+    """
+
+
+@dataclass(frozen=True)
+class Field:
+    """Declaration of one configuration key.
+
+    kind: "int", "float", "bool" or "str". ``choices`` restricts a str; ``low``/``high`` bound a number
+    (``low_open``/``high_open`` make the bound strict). ``auto`` allows the string "auto" (meaning: derived,
+    see help). ``allow_inf`` allows +inf for a float.
+    """
+
+    key: str
+    kind: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    auto: bool = False
+    allow_inf: bool = False
+
+    @property
+    def attr(self) -> str:
+        """Python attribute name: '-' becomes '_', and a keyword gets a trailing '_' ('lambda_')."""
+        name = self.key.replace("-", "_")
+        return name + "_" if keyword.iskeyword(name) else name
+
+    def allowed(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind == "str":
+            return "a string" + (" or 'auto'" if self.auto else "")
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        lb = "(" if self.low_open or self.low is None else "["
+        rb = ")" if (self.high_open or self.high is None) and not self.allow_inf else "]"
+        text = f"{'an integer' if self.kind == 'int' else 'a number'} in {lb}{lo}, {hi}{rb}"
+        if self.auto:
+            text += " or 'auto'"
+        return text
+
+    def parse(self, value: Any) -> Any:
+        """Convert and check ``value``; raise ConfigError naming this key otherwise."""
+
+        def fail() -> ConfigError:
+            return ConfigError(f"config key '{self.key}': got {value!r}; allowed: {self.allowed()}")
+
+        if self.auto and isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+                return value.strip().lower() in ("true", "1")
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise fail()
+        if self.kind == "str":
+            if not isinstance(value, str):
+                raise fail()
+            if self.choices is not None and value not in self.choices:
+                raise fail()
+            return value
+        if isinstance(value, bool):
+            raise fail()
+        if self.kind == "int":
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, str):
+                try:
+                    value = int(value.strip())
+                except ValueError:
+                    raise fail() from None
+            if not isinstance(value, int):
+                raise fail()
+            out: float = value
+        else:
+            if isinstance(value, str):
+                try:
+                    value = float(value.strip())
+                except ValueError:
+                    raise fail() from None
+            if not isinstance(value, (int, float)):
+                raise fail()
+            out = float(value)
+            if math.isnan(out) or (math.isinf(out) and not (self.allow_inf and out > 0)):
+                raise fail()
+        if self.low is not None and (out < self.low or (self.low_open and out == self.low)):
+            raise fail()
+        if self.high is not None and not math.isinf(out):
+            if out > self.high or (self.high_open and out == self.high):
+                raise fail()
+        return out
+
+
+ALGORITHMS = ("dp-double-spider",)
+DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist")
+PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
+
+FIELDS: tuple[Field, ...] = (
+    # what to run
+    Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=ALGORITHMS),
+    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2).",
+          choices=DATASETS),
+    Field("data-root", "str", AUTO, "Folder holding <Name>/raw/ in torchvision's layout (.gz or extracted). "
+          "'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache.", auto=True),
+    Field("cache-dir", "str", AUTO, "Writable folder for decompressed data. 'auto': $DPDRO_CACHE_DIR, "
+          "else ~/.cache/dpdro.", auto=True),
+    Field("download", "bool", False, "Let torchvision download missing data into the cache (needs internet)."),
+    Field("imbalance-ratio", "float", 0.02, "Fraction of each first-half class kept in '-st' sets.",
+          low=0.0, high=1.0, low_open=True),
+    Field("max-train-records", "int", 0, "Keep at most this many training records, evenly spaced in file "
+          "order after the '-st' construction (0: all). For tests and smoke runs.", low=0),
+    Field("max-test-records", "int", 0, "Evaluate on at most this many test records, evenly spaced (0: all).",
+          low=0),
+    Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
+          low=1, high=10_000),
+    Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet")),
+    Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
+          low=0.0, low_open=True, high=1e6),
+    Field("model", "str", "cnn", "Model: 'cnn' is the GroupNorm CNN for 28x28 grey images.",
+          choices=("cnn",)),
+    # DRO problem
+    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS),
+    Field("lambda", "float", 1.0, "Penalty weight lambda > 0 of the psi-divergence (public constant).",
+          low=0.0, low_open=True, high=1e6),
+    Field("cvar-alpha", "float", 0.1, "Level alpha of 'cvar' and 'smoothed-cvar'.",
+          low=0.0, high=1.0, low_open=True, high_open=True),
+    Field("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
+          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6),
+    Field("eta-init", "float", 0.0, "Initial dual variable (public; not learned from data).",
+          low=-1e6, high=1e6),
+    # optimisation
+    Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000),
+    Field("q", "int", 10, "SPIDER phase length: a refresh every q iterations, differences in between.",
+          low=1, high=10_000_000),
+    Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
+          "refresh-batch / n).", low=1),
+    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1),
+    Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6),
+    Field("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6),
+    Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
+          low=0.0, low_open=True, high=1e6),
+    Field("clip-eta", "float", 1.0, "Clipping norm C_eta of per-record eta-gradients (refresh).",
+          low=0.0, low_open=True, high=1e6),
+    Field("clip-diff", "float", 4.0, "C_diff: difference clip C_t = min(C_diff * Delta_t, C_max), Delta_t the "
+          "distance between the two parameter points.", low=0.0, low_open=True, high=1e6),
+    Field("clip-diff-max", "float", 1.0, "C_max, the largest difference clipping norm.",
+          low=0.0, low_open=True, high=1e6),
+    Field("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
+          "(calibration scales both to meet the target).", low=0.0, low_open=True, high=1e3),
+    Field("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
+          "(public coin) as in the theory.", choices=("last", "random")),
+    # privacy
+    Field("epsilon", "float", 4.0, "Target epsilon of (epsilon, delta)-DP at record level; inf: not private "
+          "(no clipping, no noise).", low=0.0, low_open=True, allow_inf=True, high=1e4),
+    Field("delta", "float", AUTO, "Target delta; 'auto': n^-1.1 for n training records.", low=0.0,
+          high=1.0, low_open=True, high_open=True, auto=True),
+    Field("accountant", "str", "rdp", "dp-accounting accountant: 'rdp' or 'pld'.", choices=("rdp", "pld")),
+    # reproducibility and outputs
+    Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
+          low=0, high=2**63 - 1),
+    Field("reproducible", "bool", False, "true: every random draw derives from seed (tests, equivalence); "
+          "false: sampling and noise from the OS CSPRNG."),
+    Field("eval-every", "int", 50, "Evaluate (and report epsilon spent) every this many iterations.",
+          low=1),
+    Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations (0: only at the "
+          "end).", low=0),
+    Field("out-dir", "str", "runs/latest", "Run directory (relative paths resolve against the current "
+          "directory of the process that trains)."),
+    Field("device", "str", "cpu", "Torch device for computation.", choices=("cpu", "cuda")),
+    Field("dtype", "str", "float32", "Torch dtype of model computations.", choices=("float32", "float64")),
+    Field("chunk-size", "int", 256, "Records per vectorised per-record gradient chunk (bounds memory).",
+          low=1, high=1_000_000),
+    Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024),
+    Field("round-timeout", "float", 600.0, "Seconds the Flower server waits for replies of one round.",
+          low=0.0, low_open=True, high=1e6),
+)
+
+FIELD_BY_KEY: dict[str, Field] = {f.key: f for f in FIELDS}
+
+
+def _make_config_class() -> type:
+    fields = [(f.attr, Any, dataclasses.field(default=f.default)) for f in FIELDS]
+    return dataclasses.make_dataclass("_ConfigBase", fields, frozen=True)
+
+
+_ConfigBase = _make_config_class()
+
+
+class Config(_ConfigBase):  # type: ignore[misc, valid-type]
+    """A validated, immutable configuration. Attribute names are the keys with '-' replaced by '_' (``lambda`` is ``lambda_``)."""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None = None, *, ignore_unknown: bool = False) -> Config:
+        """Build from a mapping of kebab-case keys (missing keys take defaults).
+
+        Raises ConfigError for an unknown key (unless ``ignore_unknown``), a bad type or a value out of range,
+        and for combinations that cannot work (see ``_check_combinations``).
+        """
+        values = dict(values or {})
+        unknown = sorted(k for k in values if k not in FIELD_BY_KEY)
+        if unknown and not ignore_unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: "
+                              + ", ".join(FIELD_BY_KEY))
+        parsed = {f.attr: f.parse(values.get(f.key, f.default)) for f in FIELDS}
+        cfg = cls(**parsed)
+        cfg._check_combinations()
+        return cfg
+
+    def with_updates(self, updates: Mapping[str, Any]) -> Config:
+        """A new validated config with some keys changed."""
+        merged = self.to_dict()
+        merged.update(updates)
+        return Config.from_mapping(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Kebab-case mapping of every key (JSON- and TOML-friendly; inf stays a float)."""
+        return {f.key: getattr(self, f.attr) for f in FIELDS}
+
+    @property
+    def private(self) -> bool:
+        return not math.isinf(self.epsilon)
+
+    def _check_combinations(self) -> None:
+        if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
+            raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
+                              f"max-train-records ({self.max_train_records})")
+        if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
+            raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
+                              f"max-train-records ({self.max_train_records})")
+
+
+def parse_set_args(items: list[str]) -> dict[str, Any]:
+    """Parse CLI ``key=value`` items (values are TOML-like: 1, 0.5, true, inf, 'text' or text).
+
+    Raises ConfigError for an item without '='.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        raw = raw.strip()
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            raw = raw[1:-1]
+        out[key.strip()] = raw
+    return out
+
+
+def default_toml_table() -> str:
+    """The ``[tool.flwr.app.config]`` body for pyproject.toml, generated from FIELDS."""
+    lines = []
+    for f in FIELDS:
+        v = f.default
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, str):
+            text = f'"{v}"'
+        elif isinstance(v, float) and math.isinf(v):
+            text = "inf"
+        else:
+            text = repr(v)
+        lines.append(f"{f.key} = {text}")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""The message schema between the server's engine and the clients, independent of any transport.
+
+A ``Query`` asks every client for the sum of clipped per-record quantities over its own Poisson sample;
+a ``Reply`` carries that sum. Only clipped sums (and the realised count, used by the trusted server to
+check the reply and never released) leave a client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Point:
+    """A parameter point: a model version id (the flat vector is held by the version store) and a scalar
+    (the dual variable eta, or lambda for KL-DRO)."""
+
+    version: int
+    scalar: float
+
+
+@dataclass(frozen=True)
+class Query:
+    """One sampled release.
+
+    Attributes:
+        iteration: t of the algorithm (with ``mechanism`` it identifies the release).
+        mechanism: release name, e.g. 'x-refresh'; a key of the ledger and of the sampling seed.
+        quantity: per-record function (``common.quantities.QUANTITIES``).
+        points: one point (refresh: value) or two (difference: value at points[0] minus at points[1]).
+        rate: Poisson sampling rate in (0, 1].
+        clip: L2 clipping norm of each per-record vector (inf: no clipping, non-private runs).
+        dim: length D of the summed vector.
+    """
+
+    iteration: int
+    mechanism: str
+    quantity: str
+    points: tuple[Point, ...]
+    rate: float
+    clip: float
+    dim: int
+
+    @property
+    def qid(self) -> str:
+        return f"{self.iteration}:{self.mechanism}"
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return tuple(p.version for p in self.points)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A client's answer to a query: ``total`` (D,) float64 sum of clipped vectors over ``count`` sampled
+    records of partition ``partition``."""
+
+    qid: str
+    partition: int
+    total: np.ndarray
+    count: int

@@ -1,0 +1,20 @@
+"""One state machine per algorithm (ALGORITHMS.md); ``make_algorithm`` picks one from the config."""
+
+from __future__ import annotations
+
+from .base import Algorithm, State
+from .double_spider import DoubleSpider
+
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DoubleSpider,)}
+
+
+def make_algorithm(cfg, n: int, dim: int) -> Algorithm:
+    """The algorithm named by config key ``algorithm``. Raises ValueError for an unknown name."""
+    try:
+        cls = REGISTRY[cfg.algorithm]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {cfg.algorithm!r}; allowed: {', '.join(REGISTRY)}") from None
+    return cls(cfg, n, dim)
+
+
+__all__ = ["Algorithm", "State", "REGISTRY", "make_algorithm"]

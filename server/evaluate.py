@@ -1,0 +1,41 @@
+"""Evaluation on the test split (public data: no privacy cost): accuracy, per-class and worst-class
+accuracy, mean loss and the exact DRO objective F(x) of the run's psi (ALGORITHMS.md 1.2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..common.data import ArrayDataset
+from ..common.dro import dro_objective
+from ..common.per_sample import FlatModel
+from ..common.psi import make_psi
+
+
+def per_class_accuracy(pred: np.ndarray, labels: np.ndarray, num_classes: int) -> list[float]:
+    """Accuracy of each class (NaN for a class absent from ``labels``)."""
+    out = []
+    for k in range(num_classes):
+        mask = labels == k
+        out.append(float((pred[mask] == k).mean()) if mask.any() else float("nan"))
+    return out
+
+
+def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch: int = 2048) -> dict:
+    """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
+    per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses)."""
+    p = torch.as_tensor(flat).to(model.dtype)
+    losses, preds = [], []
+    with torch.no_grad():
+        for s in range(0, len(test), batch):
+            logits = model.logits(p, test.x[s:s + batch].to(model.dtype))
+            losses.append(F.cross_entropy(logits, test.y[s:s + batch], reduction="none").double())
+            preds.append(logits.argmax(1))
+    loss = torch.cat(losses).numpy()
+    pred = torch.cat(preds).numpy()
+    labels = test.y.numpy()
+    per_class = per_class_accuracy(pred, labels, test.num_classes)
+    dro, _ = dro_objective(loss, make_psi(cfg.psi, cfg.cvar_alpha), cfg.lambda_)
+    return {"test_accuracy": float((pred == labels).mean()), "worst_class_accuracy": float(np.nanmin(per_class)),
+            "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro}

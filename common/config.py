@@ -195,6 +195,7 @@ FIELDS: tuple[Field, ...] = (
           low=1),
     Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations (0: only at the "
           "end).", low=0),
+    Field("resume", "bool", False, "Continue the run in out-dir from its checkpoint (its config must match)."),
     Field("out-dir", "str", "runs/latest", "Run directory (relative paths resolve against the current "
           "directory of the process that trains)."),
     Field("device", "str", "cpu", "Torch device for computation.", choices=("cpu", "cuda")),

@@ -33,7 +33,7 @@ from .transport import Transport
 log = logging.getLogger(__name__)
 
 # Keys that do not change what a run computes: a resumed run may differ in these.
-RUNTIME_KEYS = ("out-dir", "threads", "round-timeout", "eval-every", "checkpoint-every", "chunk-size")
+RUNTIME_KEYS = ("resume", "out-dir", "threads", "round-timeout", "eval-every", "checkpoint-every", "chunk-size")
 
 
 class ResumeError(ValueError):

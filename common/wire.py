@@ -1,0 +1,60 @@
+"""Packing of queries, replies and model versions into Flower records (the only Flower-aware schema code).
+
+A release message (type 'query.release') holds one ConfigRecord per query ('q0', 'q1', ...) and an
+ArrayRecord 'versions' with the model versions the node does not hold yet. The reply holds one
+ConfigRecord 'r<i>' (qid, partition, count) and one ArrayRecord 'totals' with an Array 'r<i>' per query.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from .messages import Point, Query, Reply
+
+HELLO = "query.hello"
+RELEASE = "query.release"
+
+
+def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> RecordDict:
+    rd = RecordDict()
+    for i, q in enumerate(queries):
+        rd[f"q{i}"] = ConfigRecord({
+            "iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
+            "clip": q.clip, "dim": q.dim, "versions": [p.version for p in q.points],
+            "scalars": [float(p.scalar) for p in q.points]})
+    rd["versions"] = ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in versions.items()})
+    return rd
+
+
+def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
+    queries = []
+    i = 0
+    while f"q{i}" in rd:
+        c = rd[f"q{i}"]
+        points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"]))
+        queries.append(Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points,
+                             float(c["rate"]), float(c["clip"]), int(c["dim"])))
+        i += 1
+    versions = {int(k): a.numpy() for k, a in rd["versions"].items()} if "versions" in rd else {}
+    return queries, versions
+
+
+def pack_replies(replies: list[Reply]) -> RecordDict:
+    rd = RecordDict()
+    totals = {}
+    for i, r in enumerate(replies):
+        rd[f"r{i}"] = ConfigRecord({"qid": r.qid, "partition": r.partition, "count": r.count})
+        totals[f"r{i}"] = Array(np.ascontiguousarray(r.total))
+    rd["totals"] = ArrayRecord(totals)
+    return rd
+
+
+def unpack_replies(rd: RecordDict) -> list[Reply]:
+    out = []
+    i = 0
+    while f"r{i}" in rd:
+        c = rd[f"r{i}"]
+        out.append(Reply(str(c["qid"]), int(c["partition"]), rd["totals"][f"r{i}"].numpy(), int(c["count"])))
+        i += 1
+    return out

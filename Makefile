@@ -1,0 +1,32 @@
+# Quick start: `make run` (the main job on real MNIST-ST through Flower) and `make test`.
+# Both create .venv and install the project on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# Decompressed data and Flower's home stay inside the project (ignored by git).
+export DPDRO_CACHE_DIR ?= $(CURDIR)/.cache/data
+export FLWR_HOME ?= $(CURDIR)/.flwr
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+
+.PHONY: install run test test-all lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/dpdro simulate --config simulations/configs/main.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf runs .flwr .pytest_cache

@@ -1,0 +1,31 @@
+"""Shared fixtures. Real-data tests use ../shared/datasets (or $DPDRO_DATA_ROOT) and decompress into a
+cache inside the project (.cache/data) unless $DPDRO_CACHE_DIR says otherwise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
+os.environ.setdefault("FLWR_HOME", str(ROOT / ".flwr"))
+
+# A small, fast configuration on a real MNIST-ST subset (used by end-to-end tests).
+SMALL = {
+    "dataset": "mnist-st", "max-train-records": 3000, "max-test-records": 1000, "num-clients": 3,
+    "iterations": 6, "q": 3, "refresh-batch": 300, "diff-batch": 150, "eval-every": 3,
+    "reproducible": True, "dtype": "float64", "threads": 1, "seed": 7,
+}
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    from dpdro.common.config import Config
+
+    def make(**overrides):
+        values = {**SMALL, "out-dir": str(tmp_path / "run"), **{k.replace("_", "-"): v for k, v in overrides.items()}}
+        return Config.from_mapping(values)
+
+    return make

@@ -1,0 +1,110 @@
+"""End to end on a real MNIST-ST subset: the single-node engine, the run directory, resume, and the
+Flower simulation equal to single-node (ALGORITHMS.md 7)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from dpdro.common.data import load_from_config
+from dpdro.server.engine import ResumeError, train
+from dpdro.server.transport import LocalTransport
+
+pytestmark = pytest.mark.data
+
+
+def run_local(cfg, resume=False):
+    return train(cfg, LocalTransport(cfg, load_from_config(cfg, True)), load_from_config(cfg, False), resume=resume)
+
+
+def test_single_node_run_writes_run_directory(small_config):
+    cfg = small_config(epsilon=1.0)
+    result = run_local(cfg)
+    out = result.summary
+    for key in ("algorithm", "dataset", "seed", "num_clients", "iterations", "epsilon_target", "epsilon_spent",
+                "delta", "noise_multipliers", "test_accuracy", "worst_class_accuracy", "per_class_accuracy",
+                "wall_seconds"):
+        assert key in out
+    assert 0.99 <= out["epsilon_spent"] <= 1.0
+    assert out["delta"] == pytest.approx(3000 ** -1.1)
+    assert out["releases"] == {"eta-refresh": 2, "eta-diff": 4, "x-refresh": 2, "x-diff": 4}
+    run = cfg.out_dir
+    saved = json.load(open(f"{run}/summary.json"))
+    assert saved["test_accuracy"] == out["test_accuracy"]
+    rows = list(csv.DictReader(open(f"{run}/metrics.csv")))
+    assert [int(r["iteration"]) for r in rows] == [0, 3, 6]
+    assert float(rows[-1]["epsilon_spent"]) == pytest.approx(out["epsilon_spent"], rel=1e-5)
+    events = [json.loads(line) for line in open(f"{run}/events.jsonl")]
+    assert len(events) == 12 and {e["mechanism"] for e in events} == set(out["releases"])
+    assert all(e["noise_multiplier"] > 0 for e in events)
+    assert json.load(open(f"{run}/config.json"))["n"] == 3000
+
+
+def test_reproducible_runs_are_identical_and_seeds_differ(small_config, tmp_path):
+    a = run_local(small_config(out_dir=str(tmp_path / "a")))
+    b = run_local(small_config(out_dir=str(tmp_path / "b")))
+    c = run_local(small_config(out_dir=str(tmp_path / "c"), seed=8))
+    assert np.array_equal(a.params, b.params)
+    assert a.metrics[-1]["test_accuracy"] == b.metrics[-1]["test_accuracy"]
+    assert not np.allclose(a.params, c.params)
+
+
+def test_non_private_run_says_so(small_config):
+    result = run_local(small_config(epsilon=float("inf")))
+    assert result.summary["private"] is False
+    assert result.summary["epsilon_spent"] == float("inf")
+    assert any("not private" in s for s in result.summary["not_accounted"])
+
+
+def test_resume_after_stop_gives_same_result(small_config, tmp_path):
+    full = run_local(small_config(out_dir=str(tmp_path / "full"), iterations=6, checkpoint_every=2))
+    # Simulate a run stopped after iteration 4: train 4 iterations' worth, then continue the same config.
+    part_cfg = small_config(out_dir=str(tmp_path / "part"), iterations=6, checkpoint_every=2)
+    ds_train, ds_test = load_from_config(part_cfg, True), load_from_config(part_cfg, False)
+
+    class Stop(Exception):
+        pass
+
+    class StoppingTransport(LocalTransport):
+        calls = 0
+
+        def run(self, queries, versions):
+            StoppingTransport.calls += 1
+            if StoppingTransport.calls > 9:  # 2 releases per iteration: dies inside iteration 5
+                raise Stop
+            return super().run(queries, versions)
+
+    with pytest.raises(Stop):
+        train(part_cfg, StoppingTransport(part_cfg, ds_train), ds_test)
+    resumed = train(part_cfg, LocalTransport(part_cfg, ds_train), ds_test, resume=True)
+    assert np.array_equal(resumed.params, full.params)
+    assert resumed.summary["epsilon_spent"] == pytest.approx(full.summary["epsilon_spent"], rel=1e-12)
+    assert resumed.summary["releases"] == full.summary["releases"]
+    events = [json.loads(line) for line in open(tmp_path / "part" / "events.jsonl")]
+    assert len(events) == 12
+
+
+def test_resume_with_other_config_is_refused(small_config, tmp_path):
+    cfg = small_config(out_dir=str(tmp_path / "r"))
+    run_local(cfg)
+    other = small_config(out_dir=str(tmp_path / "r"), lr_x=0.123)
+    with pytest.raises(ResumeError, match="lr-x"):
+        run_local(other, resume=True)
+
+
+@pytest.mark.flower
+def test_flower_simulation_equals_single_node(small_config, tmp_path):
+    from dpdro.server.simulate import run_simulation
+
+    local = run_local(small_config(out_dir=str(tmp_path / "local")))
+    cfg = small_config(out_dir=str(tmp_path / "flower"))
+    summary = run_simulation(cfg, stream=False)
+    flower_params = np.load(tmp_path / "flower" / "final_params.npy")
+    assert summary["transport"] == "flower"
+    assert np.max(np.abs(flower_params - local.params)) <= 1e-6
+    assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
+    assert summary["test_accuracy"] == local.summary["test_accuracy"]
+    assert summary["releases"] == local.summary["releases"]

@@ -6,11 +6,13 @@ Nothing here knows about Flower: the in-process transport and the ClientApp call
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from ..common.config import parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
 from ..common.models import make_model
@@ -42,20 +44,40 @@ class ShardWorker:
         self.y = shard.y.to(self.device)
         self.model = FlatModel(make_model(cfg.model, shard.num_classes, cfg.seed, self.dtype).to(self.device))
         self.problem = Problem.from_config(cfg)
+        self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
 
     @property
     def num_records(self) -> int:
         return int(self.y.shape[0])
 
     def sample(self, query: Query) -> np.ndarray:
-        """Indices of this shard's Poisson sample for ``query``: each record independently with prob. rate."""
+        """Indices of this shard's sample for ``query``. Poisson: each record independently with probability
+        rate (possibly none). 'fixed-size' (non-private runs only): round(rate * shard size) records drawn
+        without replacement."""
         rng = site_rng(self.cfg.reproducible, self.cfg.seed, "sample", query.iteration, query.mechanism,
                        self.partition)
+        if self.cfg.sampling == "fixed-size":
+            k = int(round(query.rate * self.num_records))
+            return np.sort(rng.choice(self.num_records, size=k, replace=False))
         return np.flatnonzero(rng.random(self.num_records) < query.rate)
+
+    def _inject(self, query: Query) -> str | None:
+        """Testing hook (config key inject-fault): raise, hang, or return 'nan' for a malformed reply."""
+        if self.fault is None:
+            return None
+        pid, it, kind = self.fault
+        if pid != self.partition or it != query.iteration:
+            return None
+        if kind == "raise" or (kind == "raise-once" and query.attempt == 0):
+            raise RuntimeError(f"injected failure of partition {pid} at iteration {it} (inject-fault)")
+        if kind == "hang" and query.attempt == 0:
+            time.sleep(3600)
+        return kind if kind == "nan" else None
 
     def answer(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
         """Sum of clipped per-record vectors over this shard's sample. ``versions`` maps the query's model
         version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
+        fault = self._inject(query)
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         idx = self.sample(query)
@@ -67,4 +89,7 @@ class ShardWorker:
             if len(query.points) == 2:
                 v = v - fn(self.model, flats[1], query.points[1].scalar, xb, yb, self.problem)
             total += clip_rows(v.detach(), query.clip).sum(0).to(torch.float64)
-        return Reply(query.qid, self.partition, total.cpu().numpy(), int(len(idx)))
+        out = total.cpu().numpy()
+        if fault == "nan":
+            out[:] = np.nan
+        return Reply(query.qid, self.partition, out, int(len(idx)))

@@ -100,7 +100,7 @@ class Field:
                     value = int(value.strip())
                 except ValueError:
                     raise fail() from None
-            if not isinstance(value, int):
+            if not isinstance(value, int) or abs(value) > 2**63:
                 raise fail()
             out: float = value
         else:
@@ -111,7 +111,10 @@ class Field:
                     raise fail() from None
             if not isinstance(value, (int, float)):
                 raise fail()
-            out = float(value)
+            try:
+                out = float(value)
+            except OverflowError:  # an int beyond float range
+                raise fail() from None
             if math.isnan(out) or (math.isinf(out) and not (self.allow_inf and out > 0)):
                 raise fail()
         if self.low is not None and (out < self.low or (self.low_open and out == self.low)):
@@ -164,8 +167,8 @@ FIELDS: tuple[Field, ...] = (
     Field("q", "int", 10, "SPIDER phase length: a refresh every q iterations, differences in between.",
           low=1, high=10_000_000),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
-          "refresh-batch / n).", low=1),
-    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1),
+          "refresh-batch / n).", low=1, high=10**9),
+    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1, high=10**9),
     Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6),
     Field("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6),
     Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
@@ -205,6 +208,19 @@ FIELDS: tuple[Field, ...] = (
     Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024),
     Field("round-timeout", "float", 600.0, "Seconds the Flower server waits for replies of one round.",
           low=0.0, low_open=True, high=1e6),
+    Field("on-client-failure", "str", "retry", "When a client fails or sends a malformed reply: 'fail' the run "
+          "with its error; 'retry' the release (max-retries times, then fail); 'drop' the failed clients from "
+          "this release (central noise keeps its full std; assumes failures do not depend on records).",
+          choices=("fail", "retry", "drop")),
+    Field("max-retries", "int", 2, "Retries of a release after a client failure (on-client-failure=retry).",
+          low=0, high=100),
+    Field("min-clients", "int", 1, "With on-client-failure=drop: fewest clients a release may use; fewer "
+          "means retry, then fail.", low=1, high=10_000),
+    Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
+          "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
+          choices=("poisson", "fixed-size")),
+    Field("inject-fault", "str", "", "Testing only: '<partition>:<iteration>:<kind>' makes that client fail at "
+          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang."),
 )
 
 FIELD_BY_KEY: dict[str, Field] = {f.key: f for f in FIELDS}
@@ -219,7 +235,10 @@ _ConfigBase = _make_config_class()
 
 
 class Config(_ConfigBase):  # type: ignore[misc, valid-type]
-    """A validated, immutable configuration. Attribute names are the keys with '-' replaced by '_' (``lambda`` is ``lambda_``)."""
+    """A validated, immutable configuration.
+
+    Attribute names are the keys with '-' replaced by '_' (``lambda`` is ``lambda_``).
+    """
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None = None, *, ignore_unknown: bool = False) -> Config:
@@ -253,12 +272,37 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         return not math.isinf(self.epsilon)
 
     def _check_combinations(self) -> None:
+        if self.sampling != "poisson" and self.private:
+            raise ConfigError(f"config key 'sampling': got {self.sampling!r}; allowed with a finite epsilon: "
+                              "'poisson' only (fixed-size batches break the Poisson amplification the ledger "
+                              "assumes); use epsilon=inf for a non-private run")
+        if self.min_clients > self.num_clients:
+            raise ConfigError(f"config key 'min-clients': got {self.min_clients}; allowed: at most num-clients "
+                              f"({self.num_clients})")
+        if self.inject_fault:
+            parse_fault(self.inject_fault)
         if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
             raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
         if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
             raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
+
+
+FAULT_KINDS = ("raise", "raise-once", "nan", "hang")
+
+
+def parse_fault(text: str) -> tuple[int, int, str]:
+    """Parse 'inject-fault' = '<partition>:<iteration>:<kind>'; raises ConfigError naming the key."""
+    parts = text.split(":")
+    try:
+        pid, it, kind = int(parts[0]), int(parts[1]), parts[2]
+        if len(parts) != 3 or pid < 0 or it < 0 or kind not in FAULT_KINDS:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(f"config key 'inject-fault': got {text!r}; allowed: '' or '<partition>:<iteration>:<kind>' "
+                          f"with kind in {', '.join(FAULT_KINDS)}") from None
+    return pid, it, kind
 
 
 def parse_set_args(items: list[str]) -> dict[str, Any]:

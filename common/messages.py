@@ -33,6 +33,7 @@ class Query:
         rate: Poisson sampling rate in (0, 1].
         clip: L2 clipping norm of each per-record vector (inf: no clipping, non-private runs).
         dim: length D of the summed vector.
+        attempt: 0 for the first try of a release, k for its k-th retry after a client failure.
     """
 
     iteration: int
@@ -42,6 +43,7 @@ class Query:
     rate: float
     clip: float
     dim: int
+    attempt: int = 0
 
     @property
     def qid(self) -> str:

@@ -24,8 +24,9 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     """Dirichlet-by-label split (Hsu et al. 2019): for each class, shares ~ Dirichlet(alpha 1_m) over the
     clients, and the class's records (shuffled) are cut by those shares.
 
-    Small alpha can make every Gamma draw underflow to 0 (a Dirichlet sample of NaN); such a class falls
-    back to equal shares. Classes with no record are skipped. Raises ValueError for alpha <= 0.
+    Small alpha can make every Gamma draw underflow to 0 (a Dirichlet sample of NaN); such a class then goes
+    wholly to one client drawn uniformly, which is the alpha -> 0 limit of the Dirichlet. Classes with no
+    record are skipped. Raises ValueError for alpha <= 0.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
@@ -38,7 +39,11 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
         idx = rng.permutation(np.flatnonzero(labels == k))
         g = rng.standard_gamma(np.full(num_clients, alpha))
         total = g.sum()
-        shares = g / total if total > 0 and np.isfinite(total) else np.full(num_clients, 1.0 / num_clients)
+        if total > 0 and np.isfinite(total):
+            shares = g / total
+        else:
+            shares = np.zeros(num_clients)
+            shares[rng.integers(num_clients)] = 1.0
         cuts = np.round(np.cumsum(shares)[:-1] * len(idx)).astype(np.int64)
         for c, piece in enumerate(np.split(idx, cuts)):
             parts[c].append(piece)

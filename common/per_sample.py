@@ -39,7 +39,7 @@ class FlatModel:
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` (d,) shaped as the module's parameters."""
         parts = torch.split(flat, self.numels)
-        return {n: p.view(s) for n, p, s in zip(self.names, parts, self.shapes)}
+        return {n: p.view(s) for n, p, s in zip(self.names, parts, self.shapes, strict=False)}
 
     def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Model outputs (B, K) at parameters ``flat`` for inputs ``x`` (B, ...)."""
@@ -49,7 +49,8 @@ class FlatModel:
         """Per-record cross-entropy (B,) at ``flat``."""
         return F.cross_entropy(self.logits(flat, x), y, reduction="none")
 
-    def losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, vectorised with torch.func."""
 
         def one(p: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:

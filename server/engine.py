@@ -7,11 +7,13 @@ what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import platform
+import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,20 +22,22 @@ import torch
 from .. import __version__
 from ..common.config import AUTO, Config, ConfigError
 from ..common.data import ArrayDataset
+from ..common.messages import Query, Reply
 from ..common.models import make_model
 from ..common.per_sample import FlatModel
 from ..common.rng import site_rng
 from .algorithms import make_algorithm
 from .evaluate import evaluate
 from .ledger import Ledger, calibrate
-from .release import aggregate, noisy_mean
+from .release import aggregate, noisy_mean, split_valid
 from .rundir import RunDir, read_json, write_json
-from .transport import Transport
+from .transport import ClientFailure, Transport
 
 log = logging.getLogger(__name__)
 
 # Keys that do not change what a run computes: a resumed run may differ in these.
-RUNTIME_KEYS = ("resume", "out-dir", "threads", "round-timeout", "eval-every", "checkpoint-every", "chunk-size")
+RUNTIME_KEYS = ("resume", "out-dir", "threads", "round-timeout", "eval-every", "checkpoint-every", "chunk-size",
+                "on-client-failure", "max-retries", "min-clients", "inject-fault")
 
 
 class ResumeError(ValueError):
@@ -61,6 +65,48 @@ class RunResult:
     params: np.ndarray
     summary: dict
     metrics: list[dict] = field(default_factory=list)
+
+
+def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
+                  versions: dict[int, np.ndarray]) -> dict[str, list[Reply]]:
+    """Run ``queries`` on every client and return the valid replies, applying the failure policy.
+
+    A client fails when it raises, times out or sends a malformed reply (``release.check_reply``); all its
+    replies of the round are then discarded and it is logged by partition. Policy (config
+    ``on-client-failure``): 'fail' raises ClientFailure at once; 'retry' repeats the round (attempt k) up to
+    ``max-retries`` times; 'drop' goes on without the failed clients if at least ``min-clients`` remain,
+    else retries like 'retry'. Nothing is released or charged for a discarded attempt.
+    """
+    for attempt in range(cfg.max_retries + 1):
+        tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
+        result = transport.run(tries, versions)
+        failures = dict(result.failures)
+        for q in tries:
+            _, rejected = split_valid(q, result.replies[q.qid])
+            failures.update(rejected)
+        if not failures:
+            return result.replies
+        for pid, reason in sorted(failures.items()):
+            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, attempt, pid, reason)
+        valid = {qid: [r for r in rs if r.partition not in failures] for qid, rs in result.replies.items()}
+        remaining = transport.num_clients - len(failures)
+        if cfg.on_client_failure == "drop" and remaining >= cfg.min_clients:
+            log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
+            return valid
+        if cfg.on_client_failure == "fail":
+            break
+    summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
+    raise ClientFailure(f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)}) failed "
+                        f"after {attempt + 1} attempt(s) with on-client-failure={cfg.on_client_failure}: {summary}")
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB (/proc on Linux; elsewhere the peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _comparable(d: dict) -> dict:
@@ -92,6 +138,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
         noise = {m.name: m.relative_noise * scale for m in plan}
     else:
+        log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
         noise = {m.name: 0.0 for m in plan}
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
     log.info("n=%d delta=%.3g noise multipliers %s", n, delta, {k: round(v, 4) for k, v in noise.items()})
@@ -123,7 +170,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     def eval_row() -> dict:
         x, eta = algo.output(state)
         row = {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **evaluate(model, x, test, cfg),
-               **algo.diagnostics(state), "wall_seconds": wall()}
+               **algo.diagnostics(state), "wall_seconds": wall(), "server_rss_mb": rss_mb()}
         return row
 
     if not rows:
@@ -133,7 +180,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     while state.t < cfg.iterations:
         t_before = state.t
         queries = algo.queries(state)
-        replies = transport.run(queries, algo.versions(state))
+        replies = collect_round(cfg, transport, queries, algo.versions(state))
         released, events = {}, []
         for q in queries:
             total = aggregate(q, replies[q.qid])

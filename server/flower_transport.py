@@ -18,15 +18,12 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from ..common.messages import Query, Reply
+from ..common.messages import Query
 from ..common.wire import HELLO, RELEASE, pack_queries, unpack_replies
+from .transport import ClientFailure, RoundResult
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.01
-
-
-class ClientFailure(RuntimeError):
-    """A node answered with an error or did not answer in time; the message names the partition/node."""
 
 
 class FlowerTransport:
@@ -36,7 +33,9 @@ class FlowerTransport:
         self.grid = grid
         self.timeout = timeout
         nodes = self._wait_for_nodes(num_clients)
-        replies = self._exchange({nid: RecordDict() for nid in nodes}, HELLO)
+        replies, errors = self._exchange({nid: RecordDict() for nid in nodes}, HELLO)
+        if errors:
+            raise ClientFailure("; ".join(f"node {nid}: {reason[-500:]}" for nid, reason in errors.items()))
         self.node_of: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         for nid, content in replies.items():
@@ -63,11 +62,13 @@ class FlowerTransport:
                 raise ClientFailure(f"only {len(nodes)} of {k} nodes connected within {self.timeout:g} s")
             time.sleep(0.05)
 
-    def _exchange(self, contents: dict[int, RecordDict], message_type: str) -> dict[int, RecordDict]:
-        """Send one message to each node and wait (bounded) for every reply; raise ClientFailure on errors."""
+    def _exchange(self, contents: dict[int, RecordDict], message_type: str
+                  ) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Send one message to each node and wait (bounded) for every reply.
+        Returns (node -> reply content, node -> error reason or timeout)."""
         msgs = [Message(content, dst_node_id=nid, message_type=message_type, ttl=max(self.timeout, 10.0))
                 for nid, content in contents.items()]
-        ids = {mid: m.metadata.dst_node_id for mid, m in zip(self.grid.push_messages(msgs), msgs) if mid}
+        ids = {mid: m.metadata.dst_node_id for mid, m in zip(self.grid.push_messages(msgs), msgs, strict=False) if mid}
         if len(ids) != len(msgs):
             raise ClientFailure(f"only {len(ids)} of {len(msgs)} messages could be pushed to the SuperLink")
         out: dict[int, RecordDict] = {}
@@ -85,39 +86,40 @@ class FlowerTransport:
                 else:
                     out[ids[mid]] = r.content
             if pending and time.monotonic() > deadline:
-                raise ClientFailure(f"no reply from node(s) {sorted(ids[m] for m in pending)} within "
-                                    f"{self.timeout:g} s ({message_type})")
+                for m in pending:
+                    errors[ids[m]] = f"no reply within {self.timeout:g} s ({message_type})"
+                break
             if pending:
                 time.sleep(POLL_SECONDS)
-        if errors:
-            self._errors = errors
-            raise ClientFailure("; ".join(f"node {nid}: {reason[-500:]}" for nid, reason in errors.items()))
-        return out
+        return out, errors
 
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> dict[str, list[Reply]]:
+    @property
+    def num_clients(self) -> int:
+        return len(self.node_of)
+
+    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
         needed = {v for q in queries for v in q.versions}
-        contents = {}
-        for nid in self.node_of.values():
-            send = {v: versions[v] for v in sorted(needed - self.held[nid])}
-            contents[nid] = pack_queries(list(queries), send)
-        try:
-            replies = self._exchange(contents, RELEASE)
-        except ClientFailure as e:
-            if "missing model versions" not in str(e):
-                raise
-            for nid in self.node_of.values():  # a node lost its versions: resend everything once
-                self.held[nid] = set()
-            contents = {nid: pack_queries(list(queries), {v: versions[v] for v in needed})
-                        for nid in self.node_of.values()}
-            replies = self._exchange(contents, RELEASE)
-        for nid in self.node_of.values():
+        contents = {nid: pack_queries(list(queries), {v: versions[v] for v in sorted(needed - self.held[nid])})
+                    for nid in self.node_of.values()}
+        replies, errors = self._exchange(contents, RELEASE)
+        lost = [nid for nid, reason in errors.items() if "missing model versions" in reason]
+        if lost:  # those nodes lost their cached versions (restart): resend everything to them once
+            again, errors2 = self._exchange({nid: pack_queries(list(queries), {v: versions[v] for v in needed})
+                                             for nid in lost}, RELEASE)
+            replies.update(again)
+            errors = {**{k: v for k, v in errors.items() if k not in lost}, **errors2}
+        for nid in replies:
             self.held[nid] = (self.held[nid] | needed) & set(versions)
-        out: dict[str, list[Reply]] = {q.qid: [] for q in queries}
+        for nid in errors:
+            self.held[nid] = set()  # unknown state: send everything next time
+        partition_of = {nid: pid for pid, nid in self.node_of.items()}
+        result = RoundResult({q.qid: [] for q in queries},
+                             {partition_of[nid]: f"node {nid}: {reason[-800:]}" for nid, reason in errors.items()})
         for content in replies.values():
             for r in unpack_replies(content):
-                if r.qid in out:
-                    out[r.qid].append(r)
-        return out
+                if r.qid in result.replies:
+                    result.replies[r.qid].append(r)
+        return result
 
     def close(self) -> None:
         pass

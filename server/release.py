@@ -43,11 +43,22 @@ def check_reply(query: Query, reply: Reply) -> None:
             raise ReplyError(f"{where}: norm {norm:.6g} exceeds clip {query.clip:.6g} x count {reply.count}")
 
 
+def split_valid(query: Query, replies: list[Reply]) -> tuple[list[Reply], dict[int, str]]:
+    """(valid replies, partition -> reason for each rejected one)."""
+    valid, rejected = [], {}
+    for r in replies:
+        try:
+            check_reply(query, r)
+            valid.append(r)
+        except ReplyError as e:
+            rejected[r.partition] = str(e)
+    return valid, rejected
+
+
 def aggregate(query: Query, replies: list[Reply]) -> np.ndarray:
-    """Sum (D,) float64 of validated replies in partition order."""
+    """Sum (D,) float64 of (already validated) replies, in partition order."""
     total = np.zeros(query.dim, dtype=np.float64)
     for r in sorted(replies, key=lambda r: r.partition):
-        check_reply(query, r)
         total += np.asarray(r.total, dtype=np.float64)
     return total
 

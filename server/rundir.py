@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 METRIC_COLUMNS = ("iteration", "epsilon_spent", "eval_loss", "eval_dro_objective", "test_accuracy",
-                  "worst_class_accuracy", "eta", "step_norm", "wall_seconds")
+                  "worst_class_accuracy", "eta", "step_norm", "wall_seconds", "server_rss_mb")
 
 
 def _jsonable(v: Any) -> Any:

@@ -120,7 +120,8 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
         try:
             run_id = str(json.loads(out.stdout)["run-id"])
         except (ValueError, KeyError):
-            raise SimulationError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}") from None
+            raise SimulationError(
+                f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}") from None
         log_proc = None
         if stream:
             log_proc = subprocess.Popen(_flwr("log", run_id, "--stream"), env=env)

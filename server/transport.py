@@ -6,7 +6,9 @@ transport runs it (``server/flower_transport.py`` is the Flower one).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +18,20 @@ from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
 from ..common.partition import make_partition
 
+log = logging.getLogger(__name__)
+
+
+class ClientFailure(RuntimeError):
+    """Clients failed (error, timeout or malformed reply) and the failure policy does not allow going on."""
+
+
+@dataclass
+class RoundResult:
+    """Replies per query id, and partition -> reason for every client that failed this round."""
+
+    replies: dict[str, list[Reply]]
+    failures: dict[int, str] = field(default_factory=dict)
+
 
 class Transport(Protocol):
     """What the engine needs from a transport."""
@@ -24,8 +40,13 @@ class Transport(Protocol):
     def num_records(self) -> int:
         """Total number of training records over all clients (treated as public)."""
 
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> dict[str, list[Reply]]:
-        """Replies of every client to each query (qid -> replies)."""
+    @property
+    def num_clients(self) -> int:
+        """Number of clients (partitions)."""
+
+    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+        """Replies of every client to each query, and the clients that failed (never raises for a client's
+        own error; a deadline bounds every wait)."""
 
     def close(self) -> None:
         """Release resources."""
@@ -42,8 +63,21 @@ class LocalTransport:
     def num_records(self) -> int:
         return sum(w.num_records for w in self.workers)
 
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> dict[str, list[Reply]]:
-        return {q.qid: [w.answer(q, versions) for w in self.workers] for q in queries}
+    @property
+    def num_clients(self) -> int:
+        return len(self.workers)
+
+    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+        result = RoundResult({q.qid: [] for q in queries})
+        for w in self.workers:
+            try:
+                replies = [w.answer(q, versions) for q in queries]
+            except Exception as e:  # noqa: BLE001 - a client's error becomes a reported failure
+                result.failures[w.partition] = f"{type(e).__name__}: {e}"
+                continue
+            for q, r in zip(queries, replies, strict=False):
+                result.replies[q.qid].append(r)
+        return result
 
     def close(self) -> None:
         self.workers = []

@@ -57,7 +57,7 @@ def single_records(module: nn.Module, flat: torch.Tensor, x: torch.Tensor, y: to
         big_l = dual_loss(loss.reshape(1), eta_t, problem.psi, problem.lam, problem.eta_scale)[0]
         grads = torch.autograd.grad(big_l, params + [eta_t])
         out.append((big_l.detach(), torch.cat([g.reshape(-1) for g in grads[:-1]]), grads[-1].detach()))
-    return tuple(torch.stack(parts) for parts in zip(*out))
+    return tuple(torch.stack(parts) for parts in zip(*out, strict=True))
 
 
 def test_flat_model_layout(setup):
@@ -144,7 +144,8 @@ def test_worker_difference_sum_equals_autograd(setup, clip):
     reply = worker.answer(query, {0: flat0.numpy(), 1: flat1.numpy()})
     assert reply.count == B and reply.qid == "5:x-diff" and reply.total.shape == (fm.dim,)
     problem = Problem(psi=make_psi("chi2"), lam=0.7, eta_scale=2.0)
-    diffs = single_records(module, flat1, x, y, eta1, problem)[1] - single_records(module, flat0, x, y, eta0, problem)[1]
+    diffs = (single_records(module, flat1, x, y, eta1, problem)[1]
+             - single_records(module, flat0, x, y, eta0, problem)[1])
     if math.isfinite(clip):
         assert torch.all(diffs.norm(dim=1) > clip)  # the clip binds, so this checks the clipping too
         diffs = diffs * (clip / diffs.norm(dim=1, keepdim=True))
@@ -155,7 +156,8 @@ def test_worker_difference_sum_equals_autograd(setup, clip):
 
 def test_clip_rows_bounds_norms():
     gen = torch.Generator().manual_seed(0)
-    v = torch.randn(50, 17, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, 50, dtype=torch.float64)[:, None]
+    scales = torch.logspace(-3, 3, 50, dtype=torch.float64)[:, None]
+    v = torch.randn(50, 17, generator=gen, dtype=torch.float64) * scales
     for bound in (1e-6, 0.1, 1.0, 37.0):
         out = clip_rows(v, bound)
         assert out.shape == v.shape

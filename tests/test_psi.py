@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpdro.common.psi import KL_S_MAX, KL, Chi2, CVaR, SmoothedCVaR, make_psi
+from dpdro.common.psi import KL, KL_S_MAX, Chi2, CVaR, SmoothedCVaR, make_psi
 
 CASES = [
     ("chi2", 0.1),

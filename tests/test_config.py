@@ -1,0 +1,177 @@
+"""Configuration schema: defaults, validation messages, a property test (any mapping builds a Config or
+raises ConfigError), and agreement of pyproject.toml's Flower run config with the defaults."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpdro.common.config import AUTO, FIELD_BY_KEY, FIELDS, Config, ConfigError, default_toml_table, parse_set_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults():
+    cfg = Config.from_mapping({})
+    assert Config.from_mapping(None) == cfg
+    for f in FIELDS:
+        assert getattr(cfg, f.attr) == f.default, f.key
+    assert cfg.lambda_ == 1.0 and cfg.psi == "chi2" and cfg.epsilon == 4.0 and cfg.delta == AUTO
+    assert cfg.algorithm == "dp-double-spider" and cfg.dataset == "mnist-st"
+    assert cfg.private
+    assert cfg.to_dict() == {f.key: f.default for f in FIELDS}
+    assert Config.from_mapping(cfg.to_dict()) == cfg
+
+
+BAD = [
+    ("epsilon", 0),
+    ("epsilon", 0.0),
+    ("epsilon", -1),
+    ("epsilon", "-inf"),
+    ("epsilon", math.nan),
+    ("delta", 1.5),
+    ("delta", 0.0),
+    ("delta", 1.0),
+    ("clip-x", 0),
+    ("clip-x", -0.5),
+    ("q", 0),
+    ("q", 2.5),
+    ("refresh-batch", 0),
+    ("dataset", "foo"),
+    ("algorithm", "dp-sgd-magic"),
+    ("psi", "tv"),
+    ("lambda", "abc"),
+    ("lambda", None),
+    ("lambda", [1.0]),
+    ("iterations", "ten"),
+    ("lr-x", True),
+    ("download", "maybe"),
+    ("download", 2),
+    ("cvar-alpha", 1.0),
+    ("seed", -1),
+    ("accountant", "moments"),
+]
+
+
+@pytest.mark.parametrize("key,value", BAD, ids=[f"{k}={v!r}" for k, v in BAD])
+def test_out_of_range_values_raise_config_error(key, value):
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping({key: value})
+    msg = str(info.value)
+    assert f"'{key}'" in msg
+    assert "allowed" in msg
+    assert repr(value) in msg or str(value) in msg
+
+
+def test_unknown_keys_raise():
+    with pytest.raises(ConfigError, match="learning-rate"):
+        Config.from_mapping({"learning-rate": 0.1})
+    with pytest.raises(ConfigError, match="lambda_"):
+        Config.from_mapping({"lambda_": 1.0})  # attribute names are not keys
+    cfg = Config.from_mapping({"learning-rate": 0.1}, ignore_unknown=True)
+    assert cfg == Config.from_mapping({})
+
+
+def test_accepted_conversions():
+    cfg = Config.from_mapping({"epsilon": "inf", "delta": " Auto ", "q": "5", "iterations": 20.0,
+                               "download": "true", "reproducible": 1, "lambda": "0.25", "refresh-batch": 64,
+                               "diff-batch": 32, "max-train-records": 64})
+    assert math.isinf(cfg.epsilon) and not cfg.private
+    assert cfg.delta == AUTO
+    assert cfg.q == 5 and isinstance(cfg.q, int)
+    assert cfg.iterations == 20 and isinstance(cfg.iterations, int)
+    assert cfg.download is True and cfg.reproducible is True
+    assert cfg.lambda_ == 0.25
+    assert Config.from_mapping({"epsilon": math.inf}).epsilon == math.inf
+    assert Config.from_mapping({"delta": 1e-6}).delta == 1e-6
+
+
+def test_combination_checks_and_updates():
+    with pytest.raises(ConfigError, match="refresh-batch"):
+        Config.from_mapping({"max-train-records": 100, "refresh-batch": 200, "diff-batch": 50})
+    with pytest.raises(ConfigError, match="diff-batch"):
+        Config.from_mapping({"max-train-records": 100, "refresh-batch": 50, "diff-batch": 200})
+    cfg = Config.from_mapping({})
+    new = cfg.with_updates({"psi": "kl", "lambda": 2})
+    assert new.psi == "kl" and new.lambda_ == 2.0 and cfg.psi == "chi2"
+    with pytest.raises(ConfigError):
+        cfg.with_updates({"psi": "nope"})
+
+
+def test_parse_set_args():
+    out = parse_set_args(["psi=kl", "lambda = 0.5", "out-dir='runs/x=1'", 'dataset="mnist"'])
+    assert out == {"psi": "kl", "lambda": "0.5", "out-dir": "runs/x=1", "dataset": "mnist"}
+    cfg = Config.from_mapping(out)
+    assert cfg.psi == "kl" and cfg.lambda_ == 0.5 and cfg.out_dir == "runs/x=1"
+    with pytest.raises(ConfigError):
+        parse_set_args(["psi"])
+
+
+def test_huge_int_for_a_float_key_raises_config_error():
+    """A Python int beyond the float range (e.g. from JSON) must give ConfigError, not OverflowError."""
+    for key in ("epsilon", "lambda", "seed"):
+        with pytest.raises(ConfigError, match=key):
+            Config.from_mapping({key: 10**400})
+    with pytest.raises(ConfigError, match="refresh-batch"):
+        Config.from_mapping({"refresh-batch": 10**400})
+
+
+# ---- property test ----
+
+PROP_KEYS = ["epsilon", "delta", "q", "lambda", "psi", "download", "refresh-batch", "max-train-records",
+             "cvar-alpha", "seed", "dataset", "eta-init"]
+VALUES = st.one_of(
+    st.integers(min_value=-(2**63), max_value=2**63),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text(max_size=12),
+    st.sampled_from(["auto", "inf", "-inf", "nan", "1", "0", "true", "false", "1e400", "chi2", "kl", "0.5",
+                     "mnist", " 3 ", "1_000"]),
+    st.none(),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(PROP_KEYS), VALUES, max_size=5))
+def test_any_mapping_builds_or_raises_config_error(mapping):
+    try:
+        cfg = Config.from_mapping(mapping)
+    except ConfigError as e:
+        msg = str(e)
+        assert "allowed" in msg
+        # names a key: one of the mapping's, or (combination checks) one whose default clashes with it
+        assert any(f"'{k}'" in msg for k in FIELD_BY_KEY)
+        return
+    # a built config holds valid values only: re-validating it is the identity
+    assert Config.from_mapping(cfg.to_dict()) == cfg
+    for key in mapping:
+        f = FIELD_BY_KEY[key]
+        v = getattr(cfg, f.attr)
+        if f.kind == "float" and v != AUTO:
+            assert isinstance(v, float) and not math.isnan(v)
+        if f.kind == "int":
+            assert isinstance(v, int) and not isinstance(v, bool)
+        if f.kind == "bool":
+            assert isinstance(v, bool)
+
+
+# ---- pyproject.toml ----
+
+def test_pyproject_flower_config_equals_defaults():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    table = data["tool"]["flwr"]["app"]["config"]
+    defaults = {f.key: f.default for f in FIELDS}
+    assert list(table) == list(defaults)  # same keys, same order
+    assert table == defaults
+    for key, value in table.items():
+        assert type(value) is type(defaults[key]), key  # ints stay ints, floats floats, 'auto' a string
+    assert table["delta"] == "auto" and table["data-root"] == "auto"
+    # the generator produces the same table
+    assert tomllib.loads(default_toml_table()) == defaults
+    # and the table builds the default config
+    assert Config.from_mapping(table) == Config.from_mapping({})

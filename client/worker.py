@@ -85,9 +85,10 @@ class ShardWorker:
         for start in range(0, len(idx), self.cfg.chunk_size):
             rows = torch.as_tensor(idx[start:start + self.cfg.chunk_size], device=self.device)
             xb, yb = self.x[rows], self.y[rows]
-            v = fn(self.model, flats[0], query.points[0].scalar, xb, yb, self.problem)
-            if len(query.points) == 2:
-                v = v - fn(self.model, flats[1], query.points[1].scalar, xb, yb, self.problem)
+            v = None
+            for flat, point, coef in zip(flats, query.points, query.point_coefs(), strict=True):
+                term = fn(self.model, flat, point.scalar, xb, yb, self.problem, query.extra)
+                v = coef * term if v is None else v + coef * term
             total += clip_rows(v.detach(), query.clip).sum(0).to(torch.float64)
         out = total.cpu().numpy()
         if fault == "nan":

@@ -125,7 +125,7 @@ class Field:
         return out
 
 
-ALGORITHMS = ("dp-double-spider",)
+ALGORITHMS = ("dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-dual", "dp-spiderboost", "dp-sgda")
 DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist")
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 
@@ -162,6 +162,36 @@ FIELDS: tuple[Field, ...] = (
           "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6),
     Field("eta-init", "float", 0.0, "Initial dual variable (public; not learned from data).",
           low=-1e6, high=1e6),
+    # KL-DRO as a compositional problem (recursive-spider) and bounded losses
+    Field("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
+          low=0.0, high=1e3),
+    Field("lambda-init", "float", 1.0, "Initial lambda of recursive-spider (public).", low=0.0, low_open=True,
+          high=1e6),
+    Field("lambda0", "float", 0.1, "Lower bound lambda0 > 0 of recursive-spider's lambda.", low=0.0,
+          low_open=True, high=1e6),
+    Field("lambda-max", "float", 10.0, "Upper bound of recursive-spider's lambda.", low=0.0, low_open=True,
+          high=1e6),
+    Field("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
+          "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (ALGORITHMS.md 2.4).",
+          low=0.0, low_open=True, high=1e4),
+    Field("u-scale", "float", 1.0, "c_u: the d_lambda block is multiplied by c_u before the joint clip of "
+          "recursive-spider's v/u release (and divided after), so it is not swamped by the d-dim block.",
+          low=0.0, low_open=True, high=1e6),
+    Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w).",
+          low=0.0, high=1.0),
+    Field("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
+          high=1.0),
+    Field("s-batch", "int", 1024, "Expected Poisson batch size of recursive-spider's s release.", low=1,
+          high=10**9),
+    Field("clip-s", "float", 1.0, "Clipping norm of the per-record STORM term g~(w_t) - (1-beta) g~(w_{t-1}) "
+          "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6),
+    Field("s-noise-ratio", "float", 2.0, "Noise multiplier of the s releases relative to the v/u releases.",
+          low=0.0, low_open=True, high=1e3),
+    Field("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
+          high=1e6),
+    Field("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6),
+    Field("clip-stats", "float", 4.2, "Clipping norm of dp-sgda's per-record class statistics "
+          "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6),
     # optimisation
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000),
     Field("q", "int", 10, "SPIDER phase length: a refresh every q iterations, differences in between.",
@@ -281,6 +311,9 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                               f"({self.num_clients})")
         if self.inject_fault:
             parse_fault(self.inject_fault)
+        if not self.lambda0 <= self.lambda_init <= self.lambda_max:
+            raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
+                              f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")
         if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
             raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")

@@ -30,6 +30,9 @@ class Query:
         mechanism: release name, e.g. 'x-refresh'; a key of the ledger and of the sampling seed.
         quantity: per-record function (``common.quantities.QUANTITIES``).
         points: one point (refresh: value) or two (difference: value at points[0] minus at points[1]).
+        coefs: per-point coefficients of the per-record combination sum_j coefs[j] f(points[j]); empty means
+            (1,) for one point and (1, -1) for two (STORM uses (1, -(1 - beta))).
+        extra: public per-query constants a quantity needs (e.g. DP-SGDA's class weights p).
         rate: Poisson sampling rate in (0, 1].
         clip: L2 clipping norm of each per-record vector (inf: no clipping, non-private runs).
         dim: length D of the summed vector.
@@ -44,6 +47,13 @@ class Query:
     clip: float
     dim: int
     attempt: int = 0
+    coefs: tuple[float, ...] = ()
+    extra: tuple[float, ...] = ()
+
+    def point_coefs(self) -> tuple[float, ...]:
+        if self.coefs:
+            return self.coefs
+        return (1.0,) if len(self.points) == 1 else (1.0, -1.0)
 
     @property
     def qid(self) -> str:

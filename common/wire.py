@@ -21,7 +21,8 @@ def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> Recor
     for i, q in enumerate(queries):
         rd[f"q{i}"] = ConfigRecord({
             "iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
-            "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "versions": [p.version for p in q.points],
+            "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "coefs": [float(c) for c in q.coefs],
+            "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
             "scalars": [float(p.scalar) for p in q.points]})
     rd["versions"] = ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in versions.items()})
     return rd
@@ -34,7 +35,8 @@ def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
         c = rd[f"q{i}"]
         points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"], strict=False))
         queries.append(Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points,
-                             float(c["rate"]), float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0))))
+                             float(c["rate"]), float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
+                             tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", []))))
         i += 1
     versions = {int(k): a.numpy() for k, a in rd["versions"].items()} if "versions" in rd else {}
     return queries, versions

@@ -132,7 +132,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     model = FlatModel(make_model(cfg.model, test.num_classes, cfg.seed, dtype))
-    algo = make_algorithm(cfg, n, model.dim)
+    algo = make_algorithm(cfg, n, model.dim, test.num_classes)
     plan = algo.plan()
     if cfg.private:
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
@@ -168,10 +168,12 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                                     "metrics": rows, "wall_seconds": wall(), "noise": noise})
 
     def eval_row() -> dict:
-        x, eta = algo.output(state)
-        row = {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **evaluate(model, x, test, cfg),
-               **algo.diagnostics(state), "wall_seconds": wall(), "server_rss_mb": rss_mb()}
-        return row
+        x, _ = algo.output(state)
+        metrics = evaluate(model, x, test, cfg)
+        losses = metrics.pop("losses")
+        return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
+                **algo.eval_extras(state, losses), **algo.diagnostics(state), "wall_seconds": wall(),
+                "server_rss_mb": rss_mb()}
 
     if not rows:
         rows.append(eval_row())
@@ -202,7 +204,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             rows.append(eval_row())
             rd.write_metrics(rows)
             progress.on_eval(rows[-1])
-            log.info("iteration %d: epsilon %.3f, test accuracy %.4f, worst-class %.4f", state.t,
+            log.debug("iteration %d: epsilon %.3f, test accuracy %.4f, worst-class %.4f", state.t,
                      rows[-1]["epsilon_spent"], rows[-1]["test_accuracy"], rows[-1]["worst_class_accuracy"])
         if done or (cfg.checkpoint_every and state.t % cfg.checkpoint_every == 0):
             checkpoint()
@@ -217,6 +219,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
         "eval_dro_objective": final["eval_dro_objective"], "psi": cfg.psi, "lambda": cfg.lambda_,
+        **{k: v for k, v in final.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_dro_objective")},
         "output_iterate": cfg.output_iterate, "wall_seconds": wall(), "transport": transport_name,
         "private": cfg.private, "reproducible": cfg.reproducible,
         "not_accounted": ([] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"])

@@ -24,7 +24,8 @@ def per_class_accuracy(pred: np.ndarray, labels: np.ndarray, num_classes: int) -
 
 def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch: int = 2048) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
-    per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses)."""
+    per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
+    'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives."""
     p = torch.as_tensor(flat).to(model.dtype)
     losses, preds = [], []
     with torch.no_grad():
@@ -38,4 +39,5 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch:
     per_class = per_class_accuracy(pred, labels, test.num_classes)
     dro, _ = dro_objective(loss, make_psi(cfg.psi, cfg.cvar_alpha), cfg.lambda_)
     return {"test_accuracy": float((pred == labels).mean()), "worst_class_accuracy": float(np.nanmin(per_class)),
-            "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro}
+            "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro,
+            "losses": loss}

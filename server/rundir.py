@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 METRIC_COLUMNS = ("iteration", "epsilon_spent", "eval_loss", "eval_dro_objective", "test_accuracy",
-                  "worst_class_accuracy", "eta", "step_norm", "wall_seconds", "server_rss_mb")
+                  "worst_class_accuracy", "wall_seconds", "server_rss_mb")
 
 
 def _jsonable(v: Any) -> Any:
@@ -68,12 +68,16 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_metrics(self, rows: list[dict]) -> None:
-        """Rewrite metrics.csv atomically with ``rows`` (dicts with METRIC_COLUMNS)."""
+        """Rewrite metrics.csv atomically: METRIC_COLUMNS, then the algorithm's scalar diagnostics and
+        objectives (e.g. eta, lambda, s, step_norm) in sorted order; lists are left out."""
+        extra = sorted({k for r in rows for k, v in r.items()
+                        if k not in METRIC_COLUMNS and not isinstance(v, (list, tuple, np.ndarray))})
+        columns = list(METRIC_COLUMNS) + extra
         buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS, extrasaction="ignore", lineterminator="\n")
+        w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         for r in rows:
-            w.writerow({k: _fmt(r.get(k)) for k in METRIC_COLUMNS})
+            w.writerow({k: _fmt(r.get(k)) for k in columns})
         atomic_write_bytes(self.metrics, buf.getvalue().encode())
 
     def append_events(self, events: list[dict]) -> None:

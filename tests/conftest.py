@@ -20,12 +20,21 @@ SMALL = {
 }
 
 
+@pytest.fixture(scope="session")
+def flower_superlink():
+    """Lets Flower tests share the auto-started local SuperLink; stops it (by PID) after the session."""
+    yield
+    from dpdro.server.simulate import stop_local_superlink
+
+    stop_local_superlink(Path(os.environ["FLWR_HOME"]).resolve())
+
+
 @pytest.fixture
 def small_config(tmp_path):
     from dpdro.common.config import Config
 
     def make(**overrides):
-        values = {**SMALL, "out-dir": str(tmp_path / "run"), **{k.replace("_", "-"): v for k, v in overrides.items()}}
+        values = {**SMALL, "out-dir": str(tmp_path / "run"), **{k.rstrip("_").replace("_", "-"): v for k, v in overrides.items()}}
         return Config.from_mapping(values)
 
     return make

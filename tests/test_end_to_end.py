@@ -96,12 +96,14 @@ def test_resume_with_other_config_is_refused(small_config, tmp_path):
 
 
 @pytest.mark.flower
-def test_flower_simulation_equals_single_node(small_config, tmp_path):
+@pytest.mark.parametrize("algorithm", ["dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-dual",
+                                       "dp-spiderboost", "dp-sgda"])
+def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_superlink, algorithm):
     from dpdro.server.simulate import run_simulation
 
-    local = run_local(small_config(out_dir=str(tmp_path / "local")))
-    cfg = small_config(out_dir=str(tmp_path / "flower"))
-    summary = run_simulation(cfg, stream=False)
+    local = run_local(small_config(out_dir=str(tmp_path / "local"), algorithm=algorithm))
+    cfg = small_config(out_dir=str(tmp_path / "flower"), algorithm=algorithm)
+    summary = run_simulation(cfg, stream=False, keep_superlink=True)
     flower_params = np.load(tmp_path / "flower" / "final_params.npy")
     assert summary["transport"] == "flower"
     assert np.max(np.abs(flower_params - local.params)) <= 1e-6

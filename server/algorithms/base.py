@@ -49,14 +49,16 @@ class State:
 
 
 class Algorithm(ABC):
-    """Base class. Args: cfg (Config), n (number of training records, public), dim (model parameters)."""
+    """Base class. Args: cfg (Config), n (number of training records, public), dim (model parameters),
+    num_classes (K of the classification task)."""
 
     name = ""
 
-    def __init__(self, cfg, n: int, dim: int) -> None:
+    def __init__(self, cfg, n: int, dim: int, num_classes: int = 10) -> None:
         self.cfg = cfg
         self.n = n
         self.dim = dim
+        self.num_classes = num_classes
 
     def rate(self, expected_batch: int) -> float:
         """Poisson sampling rate for an expected batch size (capped at 1)."""
@@ -92,4 +94,8 @@ class Algorithm(ABC):
 
     def diagnostics(self, state: State) -> dict[str, float]:
         """Public per-iteration values worth logging (computed from released values only)."""
+        return {}
+
+    def eval_extras(self, state: State, losses: np.ndarray) -> dict[str, float]:
+        """Algorithm-specific metrics from the evaluation set's per-record losses (public data)."""
         return {}

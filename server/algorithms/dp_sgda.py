@@ -1,0 +1,87 @@
+"""DP stochastic gradient descent-ascent on the class-level DRO min-max (ALGORITHMS.md 6.1 (d)):
+
+    min_x max_{p in simplex_K} sum_k p_k l_k(x) - lambda KL(p || uniform_K),  l_k = mean loss of class k.
+
+Per iteration, two releases on independent Poisson batches (one round), both at x_t:
+  'class-stats': noisy sums of clip_{C_s}([e_y min(l, B) ; e_y]) -> per-class loss sums and counts;
+  'grad':        noisy mean of clip_{C_x}(w_y grad l) with public weights w_k = p_k / pi_k, pi the running
+                 estimate of class frequencies from earlier released counts (so the mean estimates
+                 sum_k p_k grad l_k).
+Ascent (exponentiated gradient): p_k <- p_k exp(gamma_p (l^_k - lambda log(K p_k))) / Z, l^_k the noisy class
+loss; descent: x <- x - gamma_x g. Keys: refresh-batch (both batches), clip-x, clip-stats, loss-bound, lr-x,
+lr-p, lambda.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ...common.messages import Point, Query
+from ..ledger import Mechanism
+from .base import Algorithm
+from .dp_sgd import SgdState
+
+PRIOR_DECAY = 0.9  # weight of the past in the running class-frequency estimate
+
+
+@dataclasses.dataclass
+class SgdaState(SgdState):
+    """Adds p (K,) class weights and pi (K,) running class-frequency estimate (both from released values)."""
+
+    p: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    pi: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+
+
+class DpSgda(Algorithm):
+    name = "dp-sgda"
+
+    def mechanisms(self) -> list[Mechanism]:
+        r = self.rate(self.cfg.refresh_batch)
+        return [Mechanism("class-stats", r), Mechanism("grad", r)]
+
+    def plan(self) -> dict[Mechanism, int]:
+        return {m: self.cfg.iterations for m in self.mechanisms()}
+
+    def init_state(self, x0: np.ndarray) -> SgdaState:
+        x0 = np.asarray(x0, dtype=np.float64)
+        k = self.num_classes
+        return SgdaState(x=x0.copy(), x_prev=x0.copy(), p=np.full(k, 1.0 / k), pi=np.full(k, 1.0 / k))
+
+    def versions(self, state: SgdaState) -> dict[int, np.ndarray]:
+        return {state.t: state.x}
+
+    def queries(self, state: SgdaState) -> list[Query]:
+        c, t, k = self.cfg, state.t, self.num_classes
+        r = self.rate(c.refresh_batch)
+        inf = math.inf
+        weights = tuple(float(w) for w in state.p / state.pi)
+        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip_stats if c.private else inf,
+                      2 * k, extra=(0.0,) * k),
+                Query(t, "grad", "class-weighted-grad", (Point(t, 0.0),), r, c.clip_x if c.private else inf, self.dim,
+                      extra=weights)]
+
+    def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:
+        c, k = self.cfg, self.num_classes
+        expected = self.rate(c.refresh_batch) * self.n  # released means are sums / expected batch
+        sums, counts = released["class-stats"][:k] * expected, released["class-stats"][k:] * expected
+        counts = np.maximum(counts, 1.0)
+        class_loss = np.clip(sums / counts, 0.0, c.loss_bound)
+        s = dataclasses.replace(state)
+        logits = np.log(state.p) + c.lr_p * (class_loss - c.lambda_ * np.log(k * state.p))
+        p = np.exp(logits - logits.max())
+        s.p = np.maximum(p / p.sum(), 1e-12)
+        freq = counts / counts.sum()
+        s.pi = PRIOR_DECAY * state.pi + (1 - PRIOR_DECAY) * freq
+        s.x_prev, s.x = state.x, state.x - c.lr_x * released["grad"]
+        s.t = state.t + 1
+        return s
+
+    def output(self, state: SgdaState) -> tuple[np.ndarray, float]:
+        return state.x, 0.0
+
+    def diagnostics(self, state: SgdaState) -> dict[str, float]:
+        return {"step_norm": float(np.linalg.norm(state.x - state.x_prev)), "p_max": float(state.p.max()),
+                "p_min": float(state.p.min())}

@@ -1,0 +1,128 @@
+"""DP Recursive-Spider (seed paper, Algorithm 3; ALGORITHMS.md sections 2 and 4).
+
+KL-constrained DRO as a compositional problem over w = (x, lambda):
+
+    min_{x, lambda in [lambda0, lambda_max]} Psi(w) = lambda log g2~(w) + B + lambda rho,
+    g2~(w) = (1/n) sum_i g~(w; xi_i),  g~ = exp((min(l, B) - B) / lambda) in (0, 1]
+
+(the public loss bound B removes the overflow of exp(l / lambda) without any data-dependent shift). Per
+iteration t, two releases on independent Poisson batches, sent in one round:
+
+    'vu-refresh' (t mod q == 0): [v_t ; c_u u_t] = noisy mean of clip_C([grad_x g~(w_t) ; c_u d_lambda g~(w_t)])
+    'vu-diff'    (otherwise):    [v_t ; c_u u_t] = [v_{t-1} ; c_u u_{t-1}] + noisy mean of
+                                 clip_{C_t}([.](w_t) - [.](w_{t-1})),  C_t = min(C_diff ||w_t - w_{t-1}||, C_max)
+    's'          (every t):      s_t = noisy mean of clip(g~(w_t) - (1 - beta) g~(w_{t-1})) + (1 - beta) s_{t-1}
+                                 (STORM, Cutkosky & Orabona 2019; at t = 0 the plain mean), then
+                                 s_t <- max(s_t, s_min)
+
+Update (post-processing of released values; simultaneous, both at w_t):
+
+    z^x_t = lambda_t v_t / s_t,   z^lambda_t = log s_t + rho + lambda_t u_t / s_t
+    x_{t+1} = x_t - gamma_x z^x_t,   lambda_{t+1} = clip(lambda_t - gamma_lambda z^lambda_t, lambda0, lambda_max)
+
+The v/u release of one batch is one sampled Gaussian event (joint clip); the s release is its own event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ...common.messages import Point, Query
+from ..ledger import Mechanism
+from .base import Algorithm, State
+
+
+@dataclasses.dataclass
+class RecursiveSpiderState(State):
+    """x, x_prev: (d,) float64; lam, lam_prev: lambda_t, lambda_{t-1}; v: (d,) estimate of grad_x g2~;
+    u: estimate of d_lambda g2~; s: STORM estimate of g2~ (floored); s_raw: s before the floor."""
+
+    x: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    x_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    lam: float = 1.0
+    lam_prev: float = 1.0
+    v: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    u: float = 0.0
+    s: float = 1.0
+    s_raw: float = 1.0
+
+
+class RecursiveSpider(Algorithm):
+    """DP Recursive-Spider. Keys: q, refresh-batch, diff-batch, s-batch, clip-x (joint v/u refresh clip),
+    clip-diff, clip-diff-max, clip-s, s-noise-ratio, beta, s-min, rho, lambda-init, lambda0, lambda-max,
+    loss-bound (B), u-scale (c_u), lr-x, lr-lambda."""
+
+    name = "recursive-spider"
+
+    def mechanisms(self) -> list[Mechanism]:
+        c = self.cfg
+        return [Mechanism("vu-refresh", self.rate(c.refresh_batch)), Mechanism("vu-diff", self.rate(c.diff_batch)),
+                Mechanism("s", self.rate(c.s_batch), c.s_noise_ratio)]
+
+    def plan(self) -> dict[Mechanism, int]:
+        T, q = self.cfg.iterations, self.cfg.q
+        refreshes = math.ceil(T / q)
+        m = {mech.name: mech for mech in self.mechanisms()}
+        return {m["vu-refresh"]: refreshes, m["vu-diff"]: T - refreshes, m["s"]: T}
+
+    def init_state(self, x0: np.ndarray) -> RecursiveSpiderState:
+        x0 = np.asarray(x0, dtype=np.float64)
+        lam = self.cfg.lambda_init
+        return RecursiveSpiderState(x=x0.copy(), x_prev=x0.copy(), lam=lam, lam_prev=lam, v=np.zeros_like(x0))
+
+    def versions(self, state: RecursiveSpiderState) -> dict[int, np.ndarray]:
+        return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
+
+    def queries(self, state: RecursiveSpiderState) -> list[Query]:
+        c, t = self.cfg, state.t
+        inf = math.inf
+        now, before = Point(t, state.lam), Point(t - 1, state.lam_prev)
+        if t % c.q == 0:
+            vu = Query(t, "vu-refresh", "kl-vu", (now,), self.rate(c.refresh_batch), c.clip_x if c.private else inf,
+                       self.dim + 1)
+        else:
+            dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.lam - state.lam_prev)
+            clip = min(c.clip_diff * dist, c.clip_diff_max) if c.private else inf
+            vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1)
+        clip_s = c.clip_s if c.private else inf
+        if t == 0:
+            s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1)
+        else:
+            s = Query(t, "s", "kl-g", (now, before), self.rate(c.s_batch), clip_s, 1, coefs=(1.0, -(1.0 - c.beta)))
+        return [vu, s]
+
+    def apply(self, state: RecursiveSpiderState, released: dict[str, np.ndarray]) -> RecursiveSpiderState:
+        c = self.cfg
+        s = dataclasses.replace(state)
+        if "vu-refresh" in released:
+            v, cu = released["vu-refresh"][:-1], released["vu-refresh"][-1]
+        else:
+            v, cu = state.v + released["vu-diff"][:-1], state.u * c.u_scale + released["vu-diff"][-1]
+        u = float(cu) / c.u_scale
+        s_raw = float(released["s"][0]) + (0.0 if state.t == 0 else (1.0 - c.beta) * state.s)
+        s_t = max(s_raw, c.s_min)
+        z_x = state.lam * v / s_t
+        z_lam = math.log(s_t) + c.rho + state.lam * u / s_t
+        s.v, s.u, s.s, s.s_raw = v, u, s_t, s_raw
+        s.x_prev, s.x = state.x, state.x - c.lr_x * z_x
+        s.lam_prev = state.lam
+        s.lam = min(max(state.lam - c.lr_lambda * z_lam, c.lambda0), c.lambda_max)
+        s.t = state.t + 1
+        return s
+
+    def output(self, state: RecursiveSpiderState) -> tuple[np.ndarray, float]:
+        return state.x, state.lam
+
+    def diagnostics(self, state: RecursiveSpiderState) -> dict[str, float]:
+        return {"lambda": state.lam, "s": state.s, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+
+    def eval_extras(self, state: RecursiveSpiderState, losses: np.ndarray) -> dict[str, float]:
+        """The exact KL-DRO objective Psi(w) = lambda log mean exp(l / lambda) + lambda rho on the evaluation
+        losses (unclamped, float64, computed stably)."""
+        lam = state.lam
+        m = float(np.max(losses))
+        psi = m + lam * math.log(float(np.mean(np.exp((losses - m) / lam)))) + lam * self.cfg.rho
+        return {"eval_kl_dro_objective": psi}

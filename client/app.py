@@ -4,6 +4,13 @@ sums over the node's Poisson sample) with the same ``ShardWorker`` the single-no
 Per-node state lives in ``context.state`` (the model versions this node holds). The shard and worker are
 cached per process, keyed by the data configuration and partition: in simulation one process serves many
 nodes (FLOWER.md 3.4), so the cache never stands in for per-node state.
+
+Deployment starts a new ``flwr-clientapp`` process for every message (FLOWER.md 3.4), so start-up must be
+cheap: torch is imported only when a release is computed, and the node's shard is written once to a local
+file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the configuration keys that shape the data, and the
+partition) and read from there by later messages instead of rebuilding the data set. The file stays on the
+node. A site's own ``data-root`` and ``cache-dir`` may be given in its node config (``flower-supernode
+--node-config 'data-root="/data" ...'``); they override the run config's values on that node.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ app = ClientApp()
 log = logging.getLogger(__name__)
 
 _WORKERS: dict[tuple, object] = {}
-_DATA_KEYS = ("dataset", "data-root", "cache-dir", "download", "imbalance-ratio", "max-train-records", "num-clients",
-              "partition", "dirichlet-alpha", "seed", "model", "psi", "lambda", "cvar-alpha", "eta-scale", "dtype",
-              "device", "chunk-size", "reproducible")
+
+
+def _run_key(cfg: Config) -> tuple:
+    """Cache key of a worker: the whole configuration (a worker computes with every key it holds)."""
+    return tuple(sorted((k, str(v)) for k, v in cfg.to_dict().items()))
+
+
 KEEP_VERSIONS = 3  # SPIDER needs the current and previous iterate; one spare
 
 
@@ -30,8 +41,82 @@ class PartitionError(ValueError):
     """The node's partition settings disagree with the run's configuration."""
 
 
+NODE_KEYS = ("data-root", "cache-dir")  # node-config keys that override the run config on this node
+# Keys that never change which records a node holds: left out of the shard-cache key.
+_NOT_DATA = ("out-dir", "resume", "iterations", "epsilon", "delta", "accountant", "eval-every", "checkpoint-every",
+             "round-timeout", "on-client-failure", "max-retries", "min-clients", "inject-fault", "threads",
+             "max-test-records", "device", "chunk-size", "dtype", "reproducible", "output-iterate")
+
+
 def _config(context: Context) -> Config:
-    return Config.from_mapping(dict(context.run_config), ignore_unknown=True)
+    cfg = Config.from_mapping(dict(context.run_config), ignore_unknown=True)
+    local = {k: str(context.node_config[k]) for k in NODE_KEYS if k in context.node_config}
+    return cfg.with_updates(local) if local else cfg
+
+
+def shard_cache_path(cfg: Config, pid: int):
+    """Local file of partition ``pid``'s shard: ``<cache-dir>/shards/<dataset>-<hash>-p<pid>-of-<N>.npz``,
+    the hash over every configuration key that can change the data (all keys but ``_NOT_DATA``)."""
+    import hashlib
+    import json
+
+    from ..common.data import resolve_cache_dir
+
+    values = {k: v for k, v in sorted(cfg.to_dict().items())
+              if k not in _NOT_DATA and not k.startswith(("lr-", "clip-"))}
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return resolve_cache_dir(cfg.cache_dir) / "shards" / f"{cfg.dataset}-{digest}-p{pid}-of-{cfg.num_clients}.npz"
+
+
+def _load_shard(cfg: Config, pid: int):
+    """The node's shard (ArrayDataset): from its local cache file when present, else built from the data
+    set and partition and written to that file atomically (a failed write only costs the cache)."""
+    import os
+
+    import numpy as np
+    import torch
+
+    from ..common.data import ArrayDataset, load_from_config
+    from ..common.partition import make_partition
+
+    path = shard_cache_path(cfg, pid)
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                groups = torch.from_numpy(z["groups"]) if int(z["num_groups"]) else None
+                return ArrayDataset(torch.from_numpy(z["x"]), torch.from_numpy(z["y"]), int(z["num_classes"]),
+                                    str(z["name"]), groups, int(z["num_groups"]))
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
+    train = load_from_config(cfg, train=True)
+    shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.part.npz")
+        groups = shard.groups.numpy() if shard.groups is not None else np.zeros(0, np.int64)
+        np.savez(tmp, x=shard.x.numpy(), y=shard.y.numpy(), num_classes=shard.num_classes, name=shard.name,
+                 groups=groups, num_groups=shard.num_groups if shard.groups is not None else 0)
+        os.replace(tmp, path)
+        os.chmod(path, 0o600)  # the node's own records: readable by the node's user only
+    except OSError as e:
+        log.warning("could not write shard cache %s: %s", path, e)
+    return shard
+
+
+def _num_records(cfg: Config, pid: int) -> int:
+    """Shard size without importing torch when the cache file exists (the 'hello' message)."""
+    import numpy as np
+
+    key = (_run_key(cfg), pid)
+    if key not in _WORKERS:
+        path = shard_cache_path(cfg, pid)
+        if path.is_file():
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    return int(z["y"].shape[0])
+            except (OSError, ValueError, KeyError):
+                pass
+    return _worker(cfg, pid).num_records
 
 
 def _partition(context: Context, cfg: Config) -> int:
@@ -45,21 +130,18 @@ def _partition(context: Context, cfg: Config) -> int:
 
 def _worker(cfg: Config, pid: int):
     from ..client.worker import ShardWorker
-    from ..common.data import load_from_config
-    from ..common.partition import make_partition
 
-    run_key = tuple(cfg.to_dict()[k] for k in _DATA_KEYS)
+    run_key = _run_key(cfg)
     key = (run_key, pid)
     if key not in _WORKERS:
         if cfg.threads:
             import torch
 
             torch.set_num_threads(cfg.threads)
-        train = load_from_config(cfg, train=True)
-        idx = make_partition(cfg, train.y.numpy())[pid]
+        shard = _load_shard(cfg, pid)
         for old in [k for k in _WORKERS if k[0] != run_key]:  # shards of an earlier run: free them
             del _WORKERS[old]
-        _WORKERS[key] = ShardWorker(cfg, train.subset(idx), pid)
+        _WORKERS[key] = ShardWorker(cfg, shard, pid)
     return _WORKERS[key]
 
 
@@ -67,9 +149,9 @@ def _worker(cfg: Config, pid: int):
 def hello(msg: Message, context: Context) -> Message:
     cfg = _config(context)
     pid = _partition(context, cfg)
-    worker = _worker(cfg, pid)
+    num_records = _num_records(cfg, pid)
     context.state["versions"] = ArrayRecord({})
-    return Message(RecordDict({"hello": ConfigRecord({"partition": pid, "num-records": worker.num_records})}),
+    return Message(RecordDict({"hello": ConfigRecord({"partition": pid, "num-records": num_records})}),
                    reply_to=msg)
 
 

@@ -15,8 +15,8 @@ import torch
 from ..common.config import parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
-from ..common.models import make_model
-from ..common.per_sample import FlatModel, clip_rows
+from ..common.models import make_model, resolve_model
+from ..common.per_sample import FlatModel, clipped_sum
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
 
@@ -42,7 +42,8 @@ class ShardWorker:
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)
         self.y = shard.y.to(self.device)
-        self.model = FlatModel(make_model(cfg.model, shard.num_classes, cfg.seed, self.dtype).to(self.device))
+        name = resolve_model(cfg.model, cfg.dataset)
+        self.model = FlatModel(make_model(name, shard.num_classes, cfg.seed, self.dtype).to(self.device))
         self.problem = Problem.from_config(cfg)
         self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
 
@@ -81,16 +82,37 @@ class ShardWorker:
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         idx = self.sample(query)
-        total = torch.zeros(query.dim, dtype=torch.float64, device=self.device)
-        for start in range(0, len(idx), self.cfg.chunk_size):
-            rows = torch.as_tensor(idx[start:start + self.cfg.chunk_size], device=self.device)
-            xb, yb = self.x[rows], self.y[rows]
-            v = None
-            for flat, point, coef in zip(flats, query.points, query.point_coefs(), strict=True):
-                term = fn(self.model, flat, point.scalar, xb, yb, self.problem, query.extra)
-                v = coef * term if v is None else v + coef * term
-            total += clip_rows(v.detach(), query.clip).sum(0).to(torch.float64)
+        total = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
+                              self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip, query.dim,
+                              self.problem, query.extra, self.cfg.chunk_size)
         out = total.cpu().numpy()
         if fault == "nan":
             out[:] = np.nan
         return Reply(query.qid, self.partition, out, int(len(idx)))
+
+
+def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, y: torch.Tensor,
+                  rows: torch.Tensor, clip: float, dim: int, problem: Problem, extra=(),
+                  chunk_size: int = 256) -> torch.Tensor:
+    """Sum over the records ``rows`` of clip_{clip}(sum_j coefs[j] fn(flats[j], scalars[j])), shape (dim,),
+    float64 on x's device: the work of one client on one query.
+
+    Records are processed ``chunk_size`` at a time (vectorised within a chunk), so peak memory grows with
+    chunk_size * dim, not with the number of records. ``flats`` are (d,) parameter points, ``rows`` (m,)
+    indices into x (N, ...) and y (N,); ``fn`` is a per-record quantity of ``common.quantities``.
+    """
+    total = torch.zeros(dim, dtype=torch.float64, device=x.device)
+    for start in range(0, int(rows.shape[0]), chunk_size):
+        sel = rows[start:start + chunk_size]
+        xb, yb = x[sel], y[sel]
+        v = None
+        for flat, scalar, coef in zip(flats, scalars, coefs, strict=True):
+            term = fn(model, flat, scalar, xb, yb, problem, extra).detach()
+            if v is None:
+                v = term if coef == 1.0 else coef * term
+            elif coef == -1.0:
+                v.sub_(term)  # v is this chunk's own fresh tensor; in place saves a (chunk, D) pass
+            else:
+                v = v + coef * term
+        total += clipped_sum(v, clip).to(torch.float64)
+    return total

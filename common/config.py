@@ -126,7 +126,7 @@ class Field:
 
 
 ALGORITHMS = ("dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-dual", "dp-spiderboost", "dp-sgda")
-DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist")
+DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist", "cifar10-st", "cifar10", "celeba")
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 
 FIELDS: tuple[Field, ...] = (
@@ -141,6 +141,8 @@ FIELDS: tuple[Field, ...] = (
     Field("download", "bool", False, "Let torchvision download missing data into the cache (needs internet)."),
     Field("imbalance-ratio", "float", 0.02, "Fraction of each first-half class kept in '-st' sets.",
           low=0.0, high=1.0, low_open=True),
+    Field("split-seed", "int", 0, "Seed of the stratified train/validation/test split of the CelebA subset "
+          "(kept apart from 'seed' so that the split stays fixed across training seeds).", low=0, high=2**63 - 1),
     Field("max-train-records", "int", 0, "Keep at most this many training records, evenly spaced in file "
           "order after the '-st' construction (0: all). For tests and smoke runs.", low=0),
     Field("max-test-records", "int", 0, "Evaluate on at most this many test records, evenly spaced (0: all).",
@@ -150,8 +152,9 @@ FIELDS: tuple[Field, ...] = (
     Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet")),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6),
-    Field("model", "str", "cnn", "Model: 'cnn' is the GroupNorm CNN for 28x28 grey images.",
-          choices=("cnn",)),
+    Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'resnet20' (GroupNorm ResNet20, "
+          "3x32x32), 'cnn64' (GroupNorm CNN, 3x64x64); 'auto' picks the data set's.",
+          choices=("auto", "cnn", "resnet20", "cnn64")),
     # DRO problem
     Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS),
     Field("lambda", "float", 1.0, "Penalty weight lambda > 0 of the psi-divergence (public constant).",

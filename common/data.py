@@ -1,4 +1,5 @@
-"""Data sets: MNIST and Fashion-MNIST (standard and long-tailed '-ST'), loaded through torchvision.
+"""Data sets: MNIST, Fashion-MNIST and CIFAR-10 (standard and long-tailed '-ST'), and CelebA
+(Blond_Hair with group Male), as tensors.
 
 Where the files come from (``data-root``): a folder with ``<Name>/raw/`` in torchvision's layout, the
 files either extracted or still ``.gz`` (as in ``../shared/datasets``). Compressed files are checked
@@ -11,6 +12,16 @@ order; for each class k in the first half of the classes keep only its last ceil
 The test split is unchanged.
 
 Inputs are scaled with the fixed, data-independent map x / 255 * 2 - 1 (no statistic of private data).
+
+CIFAR-10 is read from torchvision's on-disk format (``<root>/cifar-10-batches-py/``, python pickles) by a
+small reader of our own, so that the same code reads the real files and test fixtures; ``download=true``
+fetches the real files with torchvision (which checks their md5).
+
+CelebA (Sagawa et al. 2020): target Blond_Hair, group attribute Male, 4 groups (target x group), inputs
+resized to ``CELEBA_SIZE`` x ``CELEBA_SIZE``. With the full data set under ``<root>/celeba/`` torchvision's
+``CelebA`` and the official partition are used. With the 10,000-image subset of ``../shared/datasets/celeba``
+(89x109 copies, all in the official training partition) a documented, seeded split stratified by the 4
+cells is made instead: ``CELEBA_SPLIT`` fractions train/validation/test, seed ``split-seed``.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,19 +46,23 @@ class DataError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Records as tensors: x (N, C, H, W) float32 in [-1, 1], y (N,) int64 in [0, num_classes)."""
+    """Records as tensors: x (N, C, H, W) float32 in [-1, 1], y (N,) int64 in [0, num_classes); optional
+    groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male)."""
 
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
     name: str
+    groups: torch.Tensor | None = None
+    num_groups: int = 0
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name)
+        groups = None if self.groups is None else self.groups[t]
+        return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)
 
 
 # dataset key -> (torchvision class name, long-tailed?)
@@ -55,7 +71,13 @@ _SOURCES = {
     "mnist-st": ("MNIST", True),
     "fashion-mnist": ("FashionMNIST", False),
     "fashion-mnist-st": ("FashionMNIST", True),
+    "cifar10": ("CIFAR10", False),
+    "cifar10-st": ("CIFAR10", True),
+    "celeba": ("CelebA", False),
 }
+CELEBA_SIZE = 64
+CELEBA_SPLIT = (0.8, 0.1, 0.1)
+CELEBA_SUBSET_DIR = "img_align_celeba_89x109"
 
 
 def project_root() -> Path:
@@ -135,6 +157,129 @@ def _load_torchvision(class_name: str, train: bool, data_root: Path, cache_dir: 
     return ds.data, ds.targets  # uint8 (N, 28, 28), int64 (N,)
 
 
+CIFAR_DIR = "cifar-10-batches-py"
+CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_TEST = ["test_batch"]
+
+
+def read_cifar_batches(folder: Path, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read CIFAR-10 python batches (pickles with b'data' (N, 3072) uint8 and b'labels'), in file order.
+    Returns uint8 (N, 3, 32, 32) and int64 (N,). Raises DataError for a missing or unreadable batch."""
+    images, labels = [], []
+    for name in names:
+        path = folder / name
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="bytes")
+            data = np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+            lab = np.asarray(entry.get(b"labels", entry.get(b"fine_labels")), dtype=np.int64)
+        except (OSError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as e:
+            raise DataError(f"cannot read CIFAR-10 batch {path}: {e}") from None
+        images.append(data)
+        labels.append(lab)
+    return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
+
+
+def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool):
+    names = CIFAR_TRAIN if train else CIFAR_TEST
+    for root in (data_root, data_root / "CIFAR10", cache_dir):
+        if all((root / CIFAR_DIR / n).is_file() for n in names):
+            return read_cifar_batches(root / CIFAR_DIR, names)
+    if download:
+        from torchvision import datasets
+
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        datasets.CIFAR10(str(cache_dir), train=train, download=True)
+        return read_cifar_batches(cache_dir / CIFAR_DIR, names)
+    raise DataError(f"CIFAR-10 not found: looked for {data_root}/{CIFAR_DIR}/, {data_root}/CIFAR10/{CIFAR_DIR}/ and "
+                    f"{cache_dir}/{CIFAR_DIR}/ with {', '.join(names)}. Point 'data-root' at a folder holding "
+                    f"{CIFAR_DIR}/ (torchvision's layout), or set download=true (needs internet).")
+
+
+def read_celeba_attributes(path: Path) -> tuple[list[str], np.ndarray, list[str]]:
+    """CelebA's list_attr_celeba.txt: (image names, (N, 40) int8 values in {0, 1}, attribute names).
+    The first line (a count) is ignored; -1/1 map to 0/1 as in torchvision."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    header = lines[1].split()
+    names, values = [], []
+    for line in lines[2:]:
+        parts = line.split()
+        if len(parts) == len(header) + 1:
+            names.append(parts[0])
+            values.append([int(v) for v in parts[1:]])
+    return names, (np.asarray(values, dtype=np.int8) + 1) // 2, header
+
+
+def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
+    """Split indices so that every group is cut by ``fractions`` (rounded, the last part takes the rest),
+    after a seeded shuffle within each group. Returns one sorted int64 index array per fraction."""
+    from .rng import derived_rng
+
+    rng = derived_rng(seed, "stratified-split")
+    parts: list[list[np.ndarray]] = [[] for _ in fractions]
+    for g in np.unique(groups):
+        idx = rng.permutation(np.flatnonzero(groups == g))
+        cuts = np.round(np.cumsum(fractions)[:-1] * len(idx)).astype(np.int64)
+        for i, piece in enumerate(np.split(idx, cuts)):
+            parts[i].append(piece)
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Images (N, 3, S, S) uint8, Blond_Hair (N,) and Male (N,) of the resized subset, decoded once and
+    cached in cache_dir (the images are centre-cropped to 89x89, then resized to S x S, bilinear)."""
+    cache = cache_dir / f"celeba_subset_{CELEBA_SIZE}.npz"
+    if cache.is_file():
+        with np.load(cache) as z:
+            return z["x"], z["blond"], z["male"]
+    from PIL import Image
+
+    names, attrs, header = read_celeba_attributes(root / "list_attr_celeba.txt")
+    folder = root / CELEBA_SUBSET_DIR
+    keep = [i for i, n in enumerate(names) if (folder / n).is_file()]
+    images = np.zeros((len(keep), 3, CELEBA_SIZE, CELEBA_SIZE), dtype=np.uint8)
+    for j, i in enumerate(keep):
+        with Image.open(folder / names[i]) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            top = (h - w) // 2
+            im = im.crop((0, top, w, top + w)).resize((CELEBA_SIZE, CELEBA_SIZE), Image.BILINEAR)
+            images[j] = np.asarray(im).transpose(2, 0, 1)
+    blond = attrs[keep, header.index("Blond_Hair")].astype(np.int64)
+    male = attrs[keep, header.index("Male")].astype(np.int64)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + ".part.npz")
+    np.savez(tmp, x=images, blond=blond, male=male)
+    os.replace(tmp, cache)
+    return images, blond, male
+
+
+def _load_celeba(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int):
+    """(images uint8 (N,3,S,S), Blond_Hair labels, groups = 2 * blond + male) of one split."""
+    root = data_root / "celeba"
+    if (root / "img_align_celeba").is_dir() or download:
+        from torchvision import datasets, transforms
+
+        tv = datasets.CelebA(str(data_root if (root / "img_align_celeba").is_dir() else cache_dir),
+                             split={"val": "valid"}.get(split, split), target_type="attr", download=download,
+                             transform=transforms.Compose([transforms.CenterCrop(178),
+                                                           transforms.Resize(CELEBA_SIZE)]))
+        bi, mi = tv.attr_names.index("Blond_Hair"), tv.attr_names.index("Male")
+        imgs = np.stack([np.asarray(tv[i][0]).transpose(2, 0, 1) for i in range(len(tv))])
+        blond, male = tv.attr[:, bi].numpy().astype(np.int64), tv.attr[:, mi].numpy().astype(np.int64)
+    elif (root / CELEBA_SUBSET_DIR).is_dir():
+        imgs, blond, male = _celeba_subset_arrays(root, cache_dir)
+        parts = stratified_split(2 * blond + male, CELEBA_SPLIT, split_seed)
+        idx = parts[{"train": 0, "val": 1, "test": 2}[split]]
+        imgs, blond, male = imgs[idx], blond[idx], male[idx]
+    else:
+        raise DataError(f"CelebA not found: looked for {root}/img_align_celeba/ (full data set) and "
+                        f"{root}/{CELEBA_SUBSET_DIR}/ (the resized subset). Point 'data-root' at the folder holding "
+                        "celeba/, or set download=true (needs internet).")
+    return torch.from_numpy(imgs), torch.from_numpy(blond), torch.from_numpy(2 * blond + male)
+
+
 def long_tailed_indices(labels: np.ndarray, num_classes: int, ratio: float) -> np.ndarray:
     """Indices (ascending, file order) kept by the '-ST' rule: for classes 0..K/2-1 the last
     ceil(ratio * count_k) records of that class, all records of the other classes.
@@ -158,31 +303,47 @@ def even_subset(n: int, k: int) -> np.ndarray:
 
 
 def _to_float(images: torch.Tensor) -> torch.Tensor:
-    return (images.to(torch.float32) / 255.0 * 2.0 - 1.0).unsqueeze(1)
+    x = images.to(torch.float32) / 255.0 * 2.0 - 1.0
+    return x.unsqueeze(1) if x.dim() == 3 else x
 
 
-def load_dataset(dataset: str, train: bool, *, data_root: str = AUTO, cache_dir: str = AUTO,
-                 download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0) -> ArrayDataset:
+def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cache_dir: str = AUTO,
+                 download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0,
+                 split_seed: int = 0) -> ArrayDataset:
     """Load a split of ``dataset`` (config key values) as an ArrayDataset.
 
-    Raises ValueError for an unknown dataset and DataError when files are missing or corrupt.
+    ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for CelebA's
+    validation split. Raises ValueError for an unknown dataset or split and DataError when files are
+    missing or corrupt.
     """
     if dataset not in _SOURCES:
         raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(_SOURCES)}")
+    split = {True: "train", False: "test"}.get(train, train)
+    if split not in ("train", "val", "test") or (split == "val" and dataset != "celeba"):
+        raise ValueError(f"unknown split {train!r} for {dataset}")
     class_name, long_tailed = _SOURCES[dataset]
-    images, labels = _load_torchvision(class_name, train, resolve_data_root(data_root),
-                                       resolve_cache_dir(cache_dir), download)
+    root, cache = resolve_data_root(data_root), resolve_cache_dir(cache_dir)
+    groups = None
+    if class_name == "CIFAR10":
+        images, labels = _load_cifar10(split == "train", root, cache, download)
+    elif class_name == "CelebA":
+        images, labels, groups = _load_celeba(split, root, cache, download, split_seed)
+    else:
+        images, labels = _load_torchvision(class_name, split == "train", root, cache, download)
+    num_classes = 2 if class_name == "CelebA" else 10
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
-    if train and long_tailed:
-        idx = long_tailed_indices(labels_np, 10, imbalance_ratio)
+    if split == "train" and long_tailed:
+        idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
     idx = idx[even_subset(len(idx), max_records)]
     t = torch.as_tensor(idx)
-    return ArrayDataset(_to_float(images[t]), labels[t].clone(), 10, dataset)
+    return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
+                        None if groups is None else groups[t].clone(), 4 if groups is not None else 0)
 
 
-def load_from_config(cfg, train: bool) -> ArrayDataset:
-    """The training or test split described by a ``Config``."""
+def load_from_config(cfg, train: bool | str) -> ArrayDataset:
+    """The training, test (or, for CelebA, 'val') split described by a ``Config``."""
     return load_dataset(cfg.dataset, train, data_root=cfg.data_root, cache_dir=cfg.cache_dir,
                         download=cfg.download, imbalance_ratio=cfg.imbalance_ratio,
-                        max_records=cfg.max_train_records if train else cfg.max_test_records)
+                        max_records=cfg.max_train_records if train in (True, "train") else cfg.max_test_records,
+                        split_seed=cfg.split_seed)

@@ -56,8 +56,82 @@ class GroupNormCNN(nn.Module):
         return self.head(self.features(x))
 
 
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions with GroupNorm and ReLU, plus the identity or a 1x1 convolution shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                          nn.GroupNorm(groups, cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+
+
+class GroupNormResNet20(nn.Module):
+    """ResNet20 (He et al. 2016, the CIFAR variant: 3 stages of 3 basic blocks, 16/32/64 channels) with
+    GroupNorm (8 groups) in place of BatchNorm and 1x1-convolution shortcuts where the shape changes.
+
+    Input: (B, 3, 32, 32) float; output: (B, num_classes) logits. About 0.27M parameters.
+    """
+
+    def __init__(self, num_classes: int = 10, groups: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.GroupNorm(groups, 16), nn.ReLU())
+        blocks, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(_BasicBlock(cin, cout, stride if i == 0 else 1, groups))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class GroupNormCNN64(nn.Module):
+    """Small CNN for 3x64x64 inputs (CelebA at 64x64) with GroupNorm and tanh.
+
+    Input: (B, 3, 64, 64) float; output: (B, num_classes) logits. About 33k parameters.
+    """
+
+    def __init__(self, num_classes: int = 2) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 5, stride=2, padding=2), nn.GroupNorm(4, 16), nn.Tanh(),
+            nn.Conv2d(16, 32, 5, stride=2, padding=2), nn.GroupNorm(4, 32), nn.Tanh(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+MODELS = ("cnn", "resnet20", "cnn64")
+DEFAULT_MODEL = {"mnist": "cnn", "mnist-st": "cnn", "fashion-mnist": "cnn", "fashion-mnist-st": "cnn",
+                 "cifar10": "resnet20", "cifar10-st": "resnet20", "celeba": "cnn64"}
+
+
+def resolve_model(name: str, dataset: str) -> str:
+    """Config key ``model``: 'auto' picks the data set's model (cnn for 28x28 grey, resnet20 for CIFAR-10,
+    cnn64 for CelebA at 64x64); any other name is returned unchanged."""
+    return DEFAULT_MODEL[dataset] if name == "auto" else name
+
+
 def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Build and validate the model for config key ``model``, initialised from ``seed`` (public).
+
+    'cnn': GroupNormCNN (1x28x28 inputs); 'resnet20': GroupNormResNet20 (3x32x32 inputs); 'cnn64':
+    GroupNormCNN64 (3x64x64 inputs). Use ``resolve_model`` first for the config value 'auto'.
 
     Raises ValueError for an unknown name.
     """
@@ -66,8 +140,12 @@ def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torc
     try:
         if name == "cnn":
             model = GroupNormCNN(num_classes)
+        elif name == "resnet20":
+            model = GroupNormResNet20(num_classes)
+        elif name == "cnn64":
+            model = GroupNormCNN64(num_classes)
         else:
-            raise ValueError(f"unknown model {name!r}; allowed: cnn")
+            raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
     finally:
         torch.random.set_rng_state(gen_state)
     return validate_model(model.to(dtype))

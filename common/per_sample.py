@@ -1,8 +1,10 @@
 """Per-record losses and gradients with torch.func, on a flat parameter vector; per-record clipping.
 
 A model's parameters are handled as one flat vector x in R^d (the order of ``named_parameters``), which
-keeps the algorithms' updates plain vector arithmetic. Per-record gradients are computed with
-``vmap(grad(...))`` over records (no Python loop over records); callers chunk large batches.
+keeps the algorithms' updates plain vector arithmetic. Per-record gradients are computed with torch.func,
+``vmap(grad(...))`` over records (no Python loop over records); callers chunk large batches to bound memory.
+A hand-written per-layer engine (Opacus-style outer products) was measured faster on this CPU (see
+docs/PERFORMANCE.md) but is not used: per-record gradients are generic machinery that torch.func maintains.
 """
 
 from __future__ import annotations
@@ -71,3 +73,13 @@ def clip_rows(v: torch.Tensor, bound: float) -> torch.Tensor:
     norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
     scale = torch.clamp(bound / torch.clamp(norms, min=1e-30), max=1.0)
     return v * scale
+
+
+def clipped_sum(v: torch.Tensor, bound: float) -> torch.Tensor:
+    """Sum over rows of ``clip_rows(v, bound)``, shape (D,), computed as one matrix-vector product of the
+    per-row scales with v (no clipped (B, D) copy is formed). Same bound semantics as ``clip_rows``."""
+    if math.isinf(bound):
+        return v.sum(0)
+    norms = torch.linalg.vector_norm(v, dim=1)
+    scale = torch.clamp(bound / torch.clamp(norms, min=1e-30), max=1.0)
+    return scale @ v

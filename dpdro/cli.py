@@ -4,6 +4,11 @@
     dpdro train --resume RUN_DIR                              continue a stopped run with its saved config
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
+    dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
+    dpdro certs create --out DIR [--nodes N | --node NAME ...] [--host H ...] [--force]   CA, SuperLink TLS
+                                                              certificate, SuperNode authentication keys
+    dpdro certs add-node --out DIR NAME                       one more SuperNode key pair
+    dpdro deploy [--config FILE.toml] [--set key=value ...]   the run on a loopback deployment (TLS + node auth)
 
 Exit status: 0 on success, 2 for a configuration or data error (message on stderr), 1 otherwise.
 """
@@ -101,6 +106,82 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from dpdro.simulations.sweep import run_sweep, write_report
+
+    counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset)
+    print(f"sweep {args.profile}: {counts}")
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dpdro.simulations.sweep import write_report
+
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
+    return 0
+
+
+def cmd_equivalence(args: argparse.Namespace) -> int:
+    from dpdro.simulations.equivalence import DATASETS, run_equivalence
+
+    rows, path = run_equivalence(args.datasets or list(DATASETS), Path(args.root), Path(args.docs))
+    for r in rows:
+        print(f"{r['dataset']}: max |param diff| {r['max_abs_param_diff']:.3g}, epsilon diff {r['epsilon_diff']:.3g}")
+    print(f"table: {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dpdro.server.bench import BenchOptions, run_bench
+
+    opts = BenchOptions(quick=args.quick, device=args.device, threads=args.threads, batch=args.batch,
+                        chunk_size=args.chunk_size, repeats=args.repeats, flower=not args.no_flower,
+                        doc=None if args.no_doc else args.doc, app_dir=args.app)
+    run_bench(opts)
+    if opts.doc:
+        print(f"written: {opts.doc}")
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from dpdro.server.certs import CertificateExistsError, add_node_key, create_certificates
+
+    try:
+        if args.certs_command == "add-node":
+            priv, pub = add_node_key(args.out, args.name, force=args.force)
+            print(f"wrote {priv} (private, 0600) and {pub}; register it at the SuperLink with\n"
+                  f"    flwr supernode register {pub} <connection>")
+            return 0
+        nodes = args.node or [f"supernode-{i + 1}" for i in range(args.nodes)]
+        hosts = args.host or ["localhost", "127.0.0.1", "superlink"]
+        cs = create_certificates(args.out, nodes, hosts, force=args.force)
+    except (CertificateExistsError, ValueError) as e:
+        print(f"dpdro: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote CA {cs.ca_cert}, SuperLink certificate {cs.server_cert} (SANs: {', '.join(hosts)}), "
+          f"private keys with mode 0600, and node keys: {', '.join(str(pub) for _, pub in cs.node_keys.values())}")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from dpdro.server.deploy import DeploymentError, deploy_config
+
+    cfg = config_from_args(args)
+    given = {a.split("=", 1)[0] for a in (args.set or [])} | (set(_load_toml(args.config)) if args.config else set())
+    if "num-clients" not in given:  # one partition per SuperNode
+        cfg = cfg.with_updates({"num-clients": args.nodes})
+    try:
+        summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=args.app, stream=not args.quiet,
+                                         superlink_port=args.superlink_port, supernode_port=args.supernode_port)
+    except DeploymentError as e:
+        print(f"dpdro: deployment failed: {e}", file=sys.stderr)
+        return 1
+    print(f"Flower run {outcome.run_id}: {outcome.status} after {outcome.seconds:.1f} s")
+    _print_summary(summary, str(Path(cfg.out_dir).resolve()))
+    return 0
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     for f in FIELDS:
         print(f"{f.key} = {f.default!r}\n    {f.help} Allowed: {f.allowed()}.")
@@ -121,16 +202,69 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--app", default=".", help="Flower app directory (the project root)")
             s.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     sub.add_parser("keys", help="list configuration keys")
+    for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
+                           ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--profile", default="quick", choices=("quick", "paper"))
+        s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
+        s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
+        if name == "sweep":
+            s.add_argument("--transport", default="local", choices=("local", "flower"))
+            s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")
+    s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")
+    s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
+    s.add_argument("--root", default="runs/equivalence")
+    s.add_argument("--docs", default="docs")
+    s = sub.add_parser("bench", help="measure performance ratios (issue 9); writes docs/PERFORMANCE.md")
+    s.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sweep (a few minutes)")
+    s.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch device of the timed steps")
+    s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    s.add_argument("--batch", type=int, default=256, help="records per step of ratios (a)-(c)")
+    s.add_argument("--chunk-size", type=int, default=256, help="records per vectorised chunk")
+    s.add_argument("--repeats", type=int, default=0, help="interleaved repetitions (0: 5 quick, 15 default)")
+    s.add_argument("--no-flower", action="store_true", help="skip (d), the Flower simulation")
+    s.add_argument("--doc", default="docs/PERFORMANCE.md", help="generated Markdown (and .json beside it)")
+    s.add_argument("--no-doc", action="store_true", help="print only, write no document")
+    s.add_argument("--app", default=".", help="Flower app directory (the project root) for (d)")
+    s = sub.add_parser("certs", help="create TLS certificates and SuperNode authentication keys (no openssl)")
+    csub = s.add_subparsers(dest="certs_command", required=True)
+    c = csub.add_parser("create", help="CA, SuperLink certificate and one key pair per SuperNode")
+    c.add_argument("--out", required=True, help="folder for the files (created 0700)")
+    c.add_argument("--nodes", type=int, default=2, help="number of SuperNode key pairs supernode-1..N")
+    c.add_argument("--node", action="append", help="SuperNode key name (repeatable; overrides --nodes)")
+    c.add_argument("--host", action="append", default=None,
+                   help="SAN of the SuperLink certificate, DNS name or IP (repeatable; default localhost, "
+                        "127.0.0.1, superlink)")
+    c.add_argument("--force", action="store_true", help="replace existing files (re-register the nodes)")
+    c = csub.add_parser("add-node", help="one more SuperNode key pair NAME / NAME.pub")
+    c.add_argument("--out", required=True)
+    c.add_argument("name")
+    c.add_argument("--force", action="store_true")
+    s = sub.add_parser("deploy", help="run on a loopback deployment: SuperLink + SuperNodes on 127.0.0.1, TLS, "
+                                      "SuperNode authentication")
+    s.add_argument("--config", help="TOML file of configuration keys")
+    s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
+    s.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
+    s.add_argument("--work-dir", default=".flwr/deploy", help="certificates, FLWR_HOMEs, logs")
+    s.add_argument("--superlink-port", type=int, default=None, help="default: first free port from 18000")
+    s.add_argument("--supernode-port", type=int, default=None, help="first SuperNode port (default: from 19094)")
+    s.add_argument("--app", default=".", help="Flower app directory (the project root)")
+    s.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     args = build_parser().parse_args(argv)
     from dpdro.common.data import DataError
     from dpdro.common.models import ModelError
 
-    handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys}
+    handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
+                "report": cmd_report, "equivalence": cmd_equivalence}
+    handlers["bench"] = cmd_bench
+    handlers["certs"] = cmd_certs
+    handlers["deploy"] = cmd_deploy
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, ModelError) as e:

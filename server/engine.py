@@ -23,7 +23,7 @@ from .. import __version__
 from ..common.config import AUTO, Config, ConfigError
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
-from ..common.models import make_model
+from ..common.models import make_model, resolve_model
 from ..common.per_sample import FlatModel
 from ..common.rng import site_rng
 from .algorithms import make_algorithm
@@ -131,7 +131,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-    model = FlatModel(make_model(cfg.model, test.num_classes, cfg.seed, dtype))
+    model = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), test.num_classes, cfg.seed, dtype))
     algo = make_algorithm(cfg, n, model.dim, test.num_classes)
     plan = algo.plan()
     if cfg.private:
@@ -218,6 +218,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
+        **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
         "eval_dro_objective": final["eval_dro_objective"], "psi": cfg.psi, "lambda": cfg.lambda_,
         **{k: v for k, v in final.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_dro_objective")},
         "output_iterate": cfg.output_iterate, "wall_seconds": wall(), "transport": transport_name,

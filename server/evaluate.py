@@ -22,10 +22,16 @@ def per_class_accuracy(pred: np.ndarray, labels: np.ndarray, num_classes: int) -
     return out
 
 
+def per_group_accuracy(correct: np.ndarray, groups: np.ndarray, num_groups: int) -> list[float]:
+    """Accuracy within each group (NaN for an empty group). correct: (N,) bool; groups: (N,) ints."""
+    return [float(correct[groups == g].mean()) if np.any(groups == g) else float("nan") for g in range(num_groups)]
+
+
 def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch: int = 2048) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
-    'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives."""
+    'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives. With group
+    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups)."""
     p = torch.as_tensor(flat).to(model.dtype)
     losses, preds = [], []
     with torch.no_grad():
@@ -38,6 +44,11 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch:
     labels = test.y.numpy()
     per_class = per_class_accuracy(pred, labels, test.num_classes)
     dro, _ = dro_objective(loss, make_psi(cfg.psi, cfg.cvar_alpha), cfg.lambda_)
-    return {"test_accuracy": float((pred == labels).mean()), "worst_class_accuracy": float(np.nanmin(per_class)),
+    extra = {}
+    if test.groups is not None:
+        per_group = per_group_accuracy(pred == labels, test.groups.numpy(), test.num_groups)
+        extra = {"per_group_accuracy": per_group, "worst_group_accuracy": float(np.nanmin(per_group))}
+    return {**extra, "test_accuracy": float((pred == labels).mean()),
+            "worst_class_accuracy": float(np.nanmin(per_class)),
             "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro,
             "losses": loss}

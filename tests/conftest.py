@@ -22,11 +22,14 @@ SMALL = {
 
 @pytest.fixture(scope="session")
 def flower_superlink():
-    """Lets Flower tests share the auto-started local SuperLink; stops it (by PID) after the session."""
-    yield
-    from dpdro.server.simulate import stop_local_superlink
+    """Lets Flower tests share the auto-started local SuperLink; stops it (by PID) after the session, unless
+    it was already running when the session started (then it belongs to someone else's run)."""
+    from dpdro.server.simulate import _superlink_up, stop_local_superlink
 
-    stop_local_superlink(Path(os.environ["FLWR_HOME"]).resolve())
+    ours = not _superlink_up()
+    yield
+    if ours:
+        stop_local_superlink(Path(os.environ["FLWR_HOME"]).resolve())
 
 
 @pytest.fixture
@@ -34,7 +37,8 @@ def small_config(tmp_path):
     from dpdro.common.config import Config
 
     def make(**overrides):
-        values = {**SMALL, "out-dir": str(tmp_path / "run"), **{k.rstrip("_").replace("_", "-"): v for k, v in overrides.items()}}
+        keys = {k.rstrip("_").replace("_", "-"): v for k, v in overrides.items()}
+        values = {**SMALL, "out-dir": str(tmp_path / "run"), **keys}
         return Config.from_mapping(values)
 
     return make

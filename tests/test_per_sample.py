@@ -20,7 +20,7 @@ from dpdro.common.messages import Point, Query
 from dpdro.common.models import GroupNormCNN, ModelError, make_model, validate_model
 from dpdro.common.per_sample import FlatModel, clip_rows
 from dpdro.common.psi import make_psi
-from dpdro.common.quantities import QUANTITIES, Problem, dual_eta, dual_x, quantity_dim
+from dpdro.common.quantities import QUANTITIES, Problem, dual_eta, dual_x
 
 B = 6
 SEED = 3
@@ -105,7 +105,6 @@ def test_dual_quantities_equal_autograd(setup, name, alpha, lam, g, eta):
     ve = dual_eta(fm, flat0, eta, x, y, problem)
     assert vx.shape == (B, fm.dim) and ve.shape == (B, 1)
     assert QUANTITIES["dual-x"] is dual_x and QUANTITIES["dual-eta"] is dual_eta
-    assert quantity_dim("dual-x", fm.dim) == fm.dim and quantity_dim("dual-eta", fm.dim) == 1
     _, gx, ge = single_records(module, flat0, x, y, eta, problem)
     torch.testing.assert_close(vx, gx, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(ve[:, 0], ge, rtol=1e-10, atol=1e-12)

@@ -35,7 +35,8 @@ class DpSpiderBoost(Algorithm):
     name = "dp-spiderboost"
 
     def mechanisms(self) -> list[Mechanism]:
-        return [Mechanism("refresh", self.rate(self.cfg.refresh_batch)), Mechanism("diff", self.rate(self.cfg.diff_batch))]
+        c = self.cfg
+        return [Mechanism("refresh", self.rate(c.refresh_batch)), Mechanism("diff", self.rate(c.diff_batch))]
 
     def plan(self) -> dict[Mechanism, int]:
         refreshes = math.ceil(self.cfg.iterations / self.cfg.q)

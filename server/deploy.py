@@ -1,0 +1,487 @@
+"""Loopback deployment: a real Flower SuperLink and N SuperNodes on 127.0.0.1 with TLS and SuperNode
+authentication, a run submitted with ``flwr run <app> <connection>`` and waited on with ``flwr ls``.
+
+This is the deployment of a real federation (FLOWER.md 3.5, 3.6) with every process on one host, so it can
+run in CI. What it does, in order:
+
+1. certificates in ``<work>/certs`` (``server.certs``: CA, SuperLink certificate with SANs localhost and
+   127.0.0.1, one P-384 authentication key pair per node), reused when they already exist;
+2. ``flower-superlink --ssl-ca-certfile --ssl-certfile --ssl-keyfile --enable-supernode-auth
+   --disable-runtime-dependency-installation --host 127.0.0.1 --port P`` (Runtime, Control and Fleet API on
+   one HTTPS port), FLWR_HOME ``<work>/superlink``;
+3. ``flwr supernode register <node>.pub <connection>`` for each node (the CLI's FLWR_HOME ``<work>/cli``
+   holds the connection: address and root certificate);
+4. ``flower-supernode --root-certificates ca.crt --superlink 127.0.0.1:P --auth-supernode-private-key <node>
+   --node-config "partition-id=i num-partitions=N ..." --port Q_i``, FLWR_HOME ``<work>/node-i``;
+5. ``flwr run <app> <connection> --format json --run-config ...``, then ``flwr ls <connection> --run-id ID``
+   until the status is ``finished:*`` (``flwr run`` exits 0 even when the ServerApp fails: FLOWER.md 3.3);
+6. every process this module started is stopped by its PID (its process group, then its remaining
+   descendants by PID), always, also after a failure or Ctrl-C.
+
+``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` is set for every process, so no ``uv sync`` runs and
+the apps run in this Python environment (FLOWER.md pitfall 14). Logs of every process are in ``<work>/logs``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .certs import CertSet, create_certificates
+
+CONNECTION = "dpdro-loopback"
+HOST = "127.0.0.1"
+DEFAULT_SUPERLINK_PORT = 18000
+DEFAULT_SUPERNODE_PORT = 19094
+
+
+class DeploymentError(RuntimeError):
+    """A deployment step failed; the message names the step, and carries the relevant log tail."""
+
+
+@dataclass
+class RunOutcome:
+    """Result of one ``flwr run`` on the deployment: run id, final status (e.g. 'finished:completed'),
+    Flower's status details, and seconds from submission to the final status."""
+
+    run_id: str
+    status: str
+    details: str
+    seconds: float
+    log_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished:completed"
+
+
+def _bin(name: str) -> str:
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else name
+
+
+def port_free(port: int, host: str = HOST) -> bool:
+    """True if nothing listens on host:port and it can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(start: int, count: int, avoid: Sequence[int] = ()) -> list[int]:
+    """``count`` free TCP ports on 127.0.0.1, scanning upward from ``start`` (ports in ``avoid`` skipped).
+    Raises DeploymentError if none are found within 1000 ports."""
+    out: list[int] = []
+    for p in range(start, start + 1000):
+        if p not in avoid and port_free(p):
+            out.append(p)
+            if len(out) == count:
+                return out
+    raise DeploymentError(f"no {count} free ports in {start}..{start + 999} on {HOST}; pass other base ports")
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living descendant PID of ``pid`` (children first, then theirs)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    known: set[int] = field(default_factory=set)  # descendants seen so far (stopped by PID as well)
+
+
+class LoopbackDeployment:
+    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 with TLS and SuperNode authentication.
+
+    Args:
+        work_dir: folder for certificates (``certs/``), per-process FLWR_HOME folders, the SuperLink
+            database and logs (``logs/``). Created if missing.
+        num_nodes: number of SuperNodes.
+        node_configs: per node, a mapping added to ``partition-id=i num-partitions=N`` in --node-config
+            (e.g. ``{"data-root": "/data"}``); None for none.
+        superlink_port: HTTPS port of the SuperLink (None: the first free port from 18000).
+        supernode_port: first port of the SuperNodes' local Runtime APIs (None: free ports from 19094).
+        env: extra environment for every process.
+        startup_timeout: seconds to wait for the SuperLink to answer and the nodes to come online.
+
+    Use as a context manager (``with LoopbackDeployment(...) as dep: dep.run(app, run_config)``): processes
+    start on enter and are stopped on exit, whatever happened.
+    """
+
+    def __init__(self, work_dir: str | os.PathLike, num_nodes: int = 2,
+                 node_configs: Sequence[Mapping[str, object]] | None = None, superlink_port: int | None = None,
+                 supernode_port: int | None = None, env: Mapping[str, str] | None = None,
+                 startup_timeout: float = 120.0) -> None:
+        if num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+        if node_configs is not None and len(node_configs) != num_nodes:
+            raise ValueError(f"node_configs has {len(node_configs)} entries for {num_nodes} nodes")
+        self.work = Path(work_dir).resolve()
+        self.num_nodes = num_nodes
+        self.node_configs = list(node_configs) if node_configs is not None else [{} for _ in range(num_nodes)]
+        self.link_port = superlink_port or free_ports(DEFAULT_SUPERLINK_PORT, 1)[0]
+        if supernode_port:
+            self.node_ports = list(range(supernode_port, supernode_port + num_nodes))
+        else:
+            self.node_ports = free_ports(DEFAULT_SUPERNODE_PORT, num_nodes, avoid=[self.link_port])
+        self.extra_env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.names = [f"supernode-{i + 1}" for i in range(num_nodes)]
+        self.procs: list[_Proc] = []
+        self.certs: CertSet | None = None
+        self.cli_home = self.work / "cli"
+        self.logs = self.work / "logs"
+
+    # ----- environment and commands -----------------------------------------------------------------
+    def env(self, flwr_home: Path) -> dict[str, str]:
+        """Environment of a process with its own FLWR_HOME; the venv's bin first on PATH (the SuperLink and
+        SuperNodes start flower-superexec, flwr-serverapp and flwr-clientapp by name)."""
+        e = dict(os.environ)
+        e.update(self.extra_env)
+        e["FLWR_HOME"] = str(flwr_home)
+        e["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
+        e.setdefault("PYTHONUNBUFFERED", "1")
+        return e
+
+    def superlink_command(self) -> list[str]:
+        """The SuperLink command line (TLS, node authentication, no runtime dependency installation)."""
+        assert self.certs is not None
+        return [_bin("flower-superlink"),
+                "--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
+                "--ssl-keyfile", str(self.certs.server_key), "--enable-supernode-auth",
+                "--disable-runtime-dependency-installation",
+                "--host", HOST, "--port", str(self.link_port),
+                "--database", str(self.work / "superlink" / "state.db")]
+
+    def node_config_string(self, i: int) -> str:
+        """--node-config of node ``i``: partition-id, num-partitions and the node's extra keys (strings quoted
+        as TOML, as Flower parses them)."""
+        items: dict[str, object] = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_configs[i]}
+        parts = []
+        for k, v in items.items():
+            if isinstance(v, bool):
+                parts.append(f"{k}={'true' if v else 'false'}")
+            elif isinstance(v, str):
+                if '"' in v or " " in v:
+                    raise ValueError(f"node-config value {v!r} of {k} must not contain spaces or quotes")
+                parts.append(f'{k}="{v}"')
+            else:
+                parts.append(f"{k}={v}")
+        return " ".join(parts)
+
+    def supernode_command(self, i: int) -> list[str]:
+        """The command line of SuperNode ``i`` (0-based)."""
+        assert self.certs is not None
+        priv, _ = self.certs.node_keys[self.names[i]]
+        return [_bin("flower-supernode"), "--root-certificates", str(self.certs.ca_cert),
+                "--superlink", f"{HOST}:{self.link_port}", "--auth-supernode-private-key", str(priv),
+                "--node-config", self.node_config_string(i), "--host", HOST, "--port", str(self.node_ports[i])]
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run ``flwr ARGS`` with the CLI's FLWR_HOME (the deployment's connection); never raises on exit code."""
+        return subprocess.run([_bin("flwr"), *args], env=self.env(self.cli_home), capture_output=True, text=True,
+                              timeout=timeout, cwd=self.work)
+
+    # ----- lifecycle ----------------------------------------------------------------------------------
+    def _spawn(self, name: str, cmd: list[str], flwr_home: Path) -> _Proc:
+        flwr_home.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as f:
+            popen = subprocess.Popen(cmd, env=self.env(flwr_home), stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=flwr_home, start_new_session=True)
+        p = _Proc(name, popen, log)
+        self.procs.append(p)
+        return p
+
+    def _check_running(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is not None:
+                raise DeploymentError(f"{p.name} exited with code {p.popen.returncode}; log {p.log}:\n"
+                                      f"{tail(p.log)}")
+
+    def _wait_superlink(self) -> None:
+        assert self.certs is not None
+        ctx = ssl.create_default_context(cafile=str(self.certs.ca_cert))
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"https://{HOST}:{self.link_port}/health"
+        while True:
+            self._check_running()
+            try:
+                with urllib.request.urlopen(url, timeout=2, context=ctx):
+                    return
+            except urllib.error.HTTPError:  # it answers over TLS with our CA: up
+                return
+            except (OSError, ssl.SSLError):
+                pass
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"the SuperLink did not answer on {url} within {self.startup_timeout:g} s; "
+                                      f"log {self.procs[0].log}:\n{tail(self.procs[0].log)}")
+            time.sleep(0.2)
+
+    def _write_cli_config(self) -> None:
+        assert self.certs is not None
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{HOST}:{self.link_port}"\nroot-certificates = "{self.certs.ca_cert}"\n')
+
+    def online_nodes(self) -> int:
+        """Number of SuperNodes the SuperLink lists as online (``flwr supernode list --format json``)."""
+        out = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            nodes = json.loads(out.stdout).get("nodes", [])
+        except ValueError:
+            return 0
+        return sum(1 for n in nodes if str(n.get("status", "")).lower() == "online")
+
+    def start(self) -> LoopbackDeployment:
+        """Create/reuse certificates, start the SuperLink, register and start the SuperNodes, and wait until
+        every node is online. Raises DeploymentError (after stopping what it started) on failure."""
+        try:
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.logs.mkdir(parents=True, exist_ok=True)
+            self.certs = create_certificates(self.work / "certs", self.names, ("localhost", HOST), reuse=True)
+            for port in [self.link_port, *self.node_ports]:
+                if not port_free(port):
+                    raise DeploymentError(f"port {port} on {HOST} is in use; choose other ports "
+                                          f"(--superlink-port / --supernode-port)")
+            (self.work / "superlink").mkdir(parents=True, exist_ok=True)
+            (self.work / "superlink" / "state.db").unlink(missing_ok=True)  # a fresh federation each time
+            self._spawn("superlink", self.superlink_command(), self.work / "superlink")
+            self._write_cli_config()
+            self._wait_superlink()
+            for name in self.names:
+                out = self.flwr("supernode", "register", str(self.certs.node_keys[name][1]), CONNECTION,
+                                "--name", name, "--format", "json")
+                if out.returncode != 0 or '"success": false' in out.stdout:
+                    raise DeploymentError(f"flwr supernode register {name} failed:\n{out.stdout}\n{out.stderr}")
+            for i in range(self.num_nodes):
+                self._spawn(self.names[i], self.supernode_command(i), self.work / f"node-{i + 1}")
+            deadline = time.monotonic() + self.startup_timeout
+            while self.online_nodes() < self.num_nodes:
+                self._check_running()
+                if time.monotonic() > deadline:
+                    raise DeploymentError(f"only {self.online_nodes()} of {self.num_nodes} SuperNodes online after "
+                                          f"{self.startup_timeout:g} s; logs in {self.logs}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def submit(self, app_dir: str | os.PathLike, run_config: str = "") -> str:
+        """``flwr run APP CONNECTION --format json --run-config RUN_CONFIG``; returns the run id.
+        Raises DeploymentError if no run was started."""
+        args = ["run", str(Path(app_dir).resolve()), CONNECTION, "--format", "json"]
+        if run_config:
+            args += ["--run-config", run_config]
+        out = self.flwr(*args, timeout=300)
+        try:
+            return str(json.loads(out.stdout)["run-id"])
+        except (ValueError, KeyError):
+            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+                                  ) from None
+
+    def status(self, run_id: str) -> tuple[str, str]:
+        """(status, status-details) of a run from ``flwr ls --run-id``; ('unknown', output) if unreadable."""
+        out = self.flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", timeout=60)
+        try:
+            run = json.loads(out.stdout)["runs"][0]
+            return run["status"], run.get("status-details", "")
+        except (ValueError, KeyError, IndexError):
+            return "unknown", (out.stdout[-500:] + out.stderr[-500:])
+
+    def wait(self, run_id: str, timeout: float, stream: bool = False, poll: float = 1.0) -> RunOutcome:
+        """Poll the run's status until ``finished:*`` or ``timeout`` seconds (then ``flwr stop`` and status
+        'timeout'). With ``stream`` the run's log is printed as it comes (``flwr log --stream``)."""
+        start = time.monotonic()
+        log_proc = None
+        if stream:
+            log_proc = subprocess.Popen([_bin("flwr"), "log", run_id, CONNECTION, "--stream"],
+                                        env=self.env(self.cli_home), cwd=self.work, start_new_session=True)
+        status, details = "pending", ""
+        try:
+            while time.monotonic() - start < timeout:
+                self._check_running()
+                status, details = self.status(run_id)
+                if status.startswith("finished"):
+                    break
+                time.sleep(poll)
+            else:
+                self.flwr("stop", run_id, CONNECTION)
+                status, details = "timeout", f"the run did not finish within {timeout:g} s (stopped)"
+        finally:
+            if log_proc is not None:
+                time.sleep(1.0)  # let the stream flush its last lines
+                _stop_group(log_proc.pid, [])
+        seconds = time.monotonic() - start
+        log_tail = ""
+        if status != "finished:completed":
+            log_tail = self.flwr("log", run_id, CONNECTION, "--show", timeout=60).stdout[-4000:]
+        return RunOutcome(run_id, status, details, seconds, log_tail)
+
+    def run(self, app_dir: str | os.PathLike, run_config: str = "", timeout: float = 3600,
+            stream: bool = False) -> RunOutcome:
+        """Submit the app and wait for its final status (see ``submit`` and ``wait``)."""
+        return self.wait(self.submit(app_dir, run_config), timeout, stream=stream)
+
+    def pids(self) -> list[int]:
+        """Every PID started by this deployment that is still alive (processes and their descendants)."""
+        out = []
+        for p in self.procs:
+            p.known.update(descendants(p.popen.pid))
+            out += [pid for pid in [p.popen.pid, *sorted(p.known)] if alive(pid)]
+        return out
+
+    def stop(self, grace: float = 10.0) -> list[int]:
+        """Stop every process this deployment started, by PID: SIGTERM to each process group and to each
+        known descendant, then SIGKILL what is left after ``grace`` seconds. Returns the PIDs still alive
+        afterwards (empty when all stopped)."""
+        for p in reversed(self.procs):  # nodes first, the SuperLink last
+            p.known.update(descendants(p.popen.pid))
+            _stop_group(p.popen.pid, sorted(p.known), grace=grace)
+            try:
+                p.popen.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        left = [pid for p in self.procs for pid in [p.popen.pid, *p.known] if alive(pid)]
+        return left
+
+    def __enter__(self) -> LoopbackDeployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        left = self.stop()
+        if left and exc[0] is None:
+            raise DeploymentError(f"processes {left} did not stop")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_group(leader: int, known: Sequence[int], grace: float = 10.0) -> None:
+    """SIGTERM the process group of ``leader`` (a session leader we started) and each PID in ``known``;
+    SIGKILL whatever is alive after ``grace`` seconds."""
+    try:
+        os.killpg(leader, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in known:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    targets = [leader, *known]
+    while time.monotonic() < deadline and any(alive(pid) for pid in targets):
+        time.sleep(0.1)
+    for pid in targets:
+        if alive(pid):
+            _signal(pid, signal.SIGKILL)
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in targets:  # reap our own children so they leave no zombies
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The last ``chars`` characters of a text file ('' if missing)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def override_string(cfg, fmt) -> str:
+    """--run-config string of the keys whose value differs from the schema default (the app's pyproject
+    holds the defaults), formatted with ``fmt`` (TOML values)."""
+    from ..common.config import Config
+
+    default = Config.from_mapping({}).to_dict()
+    return " ".join(f"{k}={fmt(v)}" for k, v in cfg.to_dict().items() if v != default.get(k, object()))
+
+
+def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str | os.PathLike = ".",
+                  node_data_root: str | None = None, node_cache_dir: str | None = None, stream: bool = True,
+                  timeout: float = 24 * 3600, superlink_port: int | None = None,
+                  supernode_port: int | None = None) -> tuple[dict, RunOutcome]:
+    """Run a dpdro Config on a loopback deployment of ``num_nodes`` SuperNodes (one partition each).
+
+    Each node gets ``data-root``/``cache-dir`` in its node config (default: this machine's resolved
+    values), as a real site would. The run config carries absolute paths for the server side.
+    Returns (summary.json, RunOutcome). Raises DeploymentError if the run does not complete or writes no
+    summary; every process is stopped in all cases.
+    """
+    from ..common.data import resolve_cache_dir, resolve_data_root
+    from .rundir import RunDir, read_json
+    from .simulate import _toml_value
+
+    if cfg.num_clients != num_nodes:
+        raise DeploymentError(f"num-clients={cfg.num_clients} but {num_nodes} SuperNodes: they must be equal")
+    data_root = str(resolve_data_root(cfg.data_root).resolve())
+    cache_dir = str(resolve_cache_dir(cfg.cache_dir).resolve())
+    cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve()), "data-root": data_root,
+                            "cache-dir": cache_dir})
+    node_cfg = {"data-root": node_data_root or data_root, "cache-dir": node_cache_dir or cache_dir}
+    summary_path = RunDir(cfg.out_dir).summary
+    summary_path.unlink(missing_ok=True)
+    with LoopbackDeployment(work_dir, num_nodes, [node_cfg] * num_nodes, superlink_port=superlink_port,
+                            supernode_port=supernode_port) as dep:
+        outcome = dep.run(app_dir, override_string(cfg, _toml_value), timeout=timeout, stream=stream)
+    if not outcome.ok:
+        raise DeploymentError(f"Flower run {outcome.run_id} ended with status {outcome.status!r} "
+                              f"{outcome.details}\n{outcome.log_tail}")
+    if not summary_path.exists():
+        raise DeploymentError(f"Flower run {outcome.run_id} completed but wrote no {summary_path}")
+    return read_json(summary_path), outcome

@@ -1,0 +1,1 @@
+"""Experiment tools (imported as dpdro.simulations): sweeps, reports and plots, saved configurations."""

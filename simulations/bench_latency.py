@@ -1,0 +1,101 @@
+"""Seconds per message round on a real loopback deployment (TLS + SuperNode authentication, 2 SuperNodes):
+dpdro's DP Double-SPIDER next to Flower's own FedAvg strategy on the same SuperLink and SuperNodes.
+
+    .venv/bin/python simulations/bench_latency.py [--rounds 5] [--iterations 4] [--write docs/DEPLOYMENT_LATENCY.md]
+
+- FedAvg: ``simulations/fedavg_app`` (Flower's ``FedAvg``, ``send_and_receive``, a float32 array of our CNN's
+  size, 26,106 values, to each node and back, no training); time of each round from the strategy's
+  ``evaluate_fn`` callback.
+- dpdro: ``dp-double-spider`` on MNIST-ST (2,000 training records, 500 test records, one partition per node,
+  threads=1); one release per message round (eta block, then x block: 2 rounds per iteration). Seconds per
+  round = (training loop wall time, without the two evaluations) / number of releases, from metrics.csv
+  and summary.json.
+
+Prints both and, with --write, writes the figures, the command and the machine's load into a Markdown file.
+Every process is stopped by PID at the end (LoopbackDeployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5, help="FedAvg rounds")
+    p.add_argument("--iterations", type=int, default=4, help="dp-double-spider iterations (2 rounds each)")
+    p.add_argument("--work-dir", default=None, help="deployment folder (default: a temporary folder)")
+    p.add_argument("--write", default=None, help="Markdown file to write the figures into")
+    args = p.parse_args(argv)
+
+    from dpdro.common.config import Config
+    from dpdro.common.data import resolve_cache_dir, resolve_data_root
+    from dpdro.server.deploy import LoopbackDeployment, override_string
+    from dpdro.server.simulate import _toml_value
+
+    os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
+    tmp = tempfile.mkdtemp(prefix="dpdro-latency-")
+    work = Path(args.work_dir or Path(tmp) / "deploy")
+    out_dir = Path(tmp) / "run"
+    fed_out = Path(tmp) / "fedavg.json"
+    cfg = Config.from_mapping({"num-clients": 2, "iterations": args.iterations, "max-train-records": 2000,
+                               "max-test-records": 500, "threads": 1, "eval-every": args.iterations,
+                               "out-dir": str(out_dir)})
+    data_root = str(resolve_data_root(cfg.data_root).resolve())
+    cache_dir = str(resolve_cache_dir(cfg.cache_dir).resolve())
+    cfg = cfg.with_updates({"data-root": data_root, "cache-dir": cache_dir})
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with LoopbackDeployment(work, 2, [{"data-root": data_root, "cache-dir": cache_dir}] * 2) as dep:
+        startup = time.monotonic() - t0
+        fed = dep.run(ROOT / "simulations" / "fedavg_app",
+                      f"num-rounds={args.rounds} dim=26106 min-nodes=2 out-file='{fed_out}'", timeout=1200)
+        if not fed.ok:
+            print(f"FedAvg run failed: {fed.status} {fed.details}\n{fed.log_tail}", file=sys.stderr)
+            return 1
+        ours = dep.run(ROOT, override_string(cfg, _toml_value), timeout=3600)
+        if not ours.ok:
+            print(f"dpdro run failed: {ours.status} {ours.details}\n{ours.log_tail}", file=sys.stderr)
+            return 1
+    load_after = os.getloadavg()
+    fed_rounds = json.loads(fed_out.read_text())["round_seconds"]
+    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
+    summary = json.loads((out_dir / "summary.json").read_text())
+    releases = sum(summary["releases"].values())
+    eval_s = float(rows[0]["wall_seconds"])  # the first row is the evaluation of the initial model
+    loop_s = float(rows[-1]["wall_seconds"]) - 2 * eval_s
+    ours_round = loop_s / releases
+    lines = [
+        f"startup (certificates, SuperLink, registration, 2 SuperNodes online): {startup:.1f} s",
+        f"FedAvg (Flower's strategy, send_and_receive, 26,106 float32 each way): {len(fed_rounds)} rounds, "
+        f"mean {statistics.mean(fed_rounds):.2f} s/round (median {statistics.median(fed_rounds):.2f}, "
+        f"min {min(fed_rounds):.2f}, max {max(fed_rounds):.2f}); run {fed.seconds:.1f} s submit-to-finish",
+        f"dpdro dp-double-spider: {releases} rounds ({args.iterations} iterations), {ours_round:.2f} s/round "
+        f"({2 * ours_round:.2f} s/iteration), loop {loop_s:.1f} s; run {ours.seconds:.1f} s submit-to-finish",
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)",
+    ]
+    print("\n".join(lines))
+    if args.write:
+        cmd = "simulations/bench_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = (f"# Round latency on the loopback deployment\n\nMeasured {dt.date.today().isoformat()} with "
+                f"`.venv/bin/python {cmd.strip()}` on this project's {os.cpu_count()}-core CPU machine "
+                f"(SuperLink and 2 SuperNodes on 127.0.0.1, TLS and SuperNode authentication; the machine was "
+                f"shared with other jobs, see the load average).\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

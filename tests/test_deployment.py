@@ -1,0 +1,191 @@
+"""Deployment: certificates, a real loopback SuperLink + 2 SuperNodes with TLS and SuperNode authentication
+running DP Double-SPIDER on real MNIST-ST shards, and static checks that the Dockerfile and compose.yaml use
+the same flags as the tested deployment."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from dpdro.server.certs import CertificateExistsError, add_node_key, create_certificates
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----- certificates ---------------------------------------------------------------------------------------
+def test_certificates_chain_sans_and_permissions(tmp_path):
+    cs = create_certificates(tmp_path / "c", ["site-a", "site-b"], ["localhost", "127.0.0.1", "superlink"])
+    ca = x509.load_pem_x509_certificate(cs.ca_cert.read_bytes())
+    srv = x509.load_pem_x509_certificate(cs.server_cert.read_bytes())
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    assert srv.issuer == ca.subject
+    srv.verify_directly_issued_by(ca)  # raises if the signature or issuer is wrong
+    san = srv.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "superlink"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    for path in (cs.ca_key, cs.server_key, *(priv for priv, _ in cs.node_keys.values())):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    for path in (cs.ca_cert, cs.server_cert, *(pub for _, pub in cs.node_keys.values())):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+    priv, pub = cs.node_keys["site-a"]
+    assert pub.read_text().startswith("ecdsa-sha2-nistp384 ")
+    key = serialization.load_ssh_private_key(priv.read_bytes(), password=None)
+    assert key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                         serialization.PublicFormat.OpenSSH).decode() == pub.read_text().strip()
+
+
+def test_certificates_never_overwrite_silently(tmp_path):
+    cs = create_certificates(tmp_path, ["n1"])
+    before = cs.ca_key.read_bytes(), cs.node_keys["n1"][0].read_bytes()
+    with pytest.raises(CertificateExistsError, match="--force"):
+        create_certificates(tmp_path, ["n1"])
+    with pytest.raises(CertificateExistsError):
+        add_node_key(tmp_path, "n1")
+    assert (cs.ca_key.read_bytes(), cs.node_keys["n1"][0].read_bytes()) == before
+    assert create_certificates(tmp_path, ["n1"], reuse=True) == cs  # complete set: reused untouched
+    assert cs.ca_key.read_bytes() == before[0]
+    create_certificates(tmp_path, ["n1"], force=True)
+    assert cs.ca_key.read_bytes() != before[0]
+    assert stat.S_IMODE(cs.ca_key.stat().st_mode) == 0o600
+    with pytest.raises(ValueError, match="bad node name"):
+        create_certificates(tmp_path / "x", ["../evil"])
+
+
+def test_cli_certs_refuses_then_forces(tmp_path, capsys):
+    from dpdro.cli import main
+
+    assert main(["certs", "create", "--out", str(tmp_path), "--nodes", "2"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key", "server.key", "server.pem",
+                                                          "supernode-1", "supernode-1.pub", "supernode-2",
+                                                          "supernode-2.pub"]
+    assert main(["certs", "create", "--out", str(tmp_path), "--nodes", "2"]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert main(["certs", "add-node", "--out", str(tmp_path), "hospital-3"]) == 0
+    assert (tmp_path / "hospital-3.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+
+
+# ----- loopback deployment (real processes, real data) --------------------------------------------------
+@pytest.mark.flower
+@pytest.mark.data
+def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
+    """2 iterations with q=2: one refresh and one difference release of both eta and x (4 message rounds),
+    so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment."""
+    from dpdro.common.config import Config
+    from dpdro.common.data import resolve_cache_dir, resolve_data_root
+    from dpdro.server.deploy import CONNECTION, LoopbackDeployment, alive, override_string
+    from dpdro.server.simulate import _toml_value
+
+    out = tmp_path / "run"
+    cfg = Config.from_mapping({"num-clients": 2, "iterations": 2, "q": 2, "max-train-records": 2000,
+                               "max-test-records": 500, "threads": 1, "eval-every": 2, "epsilon": 4.0,
+                               "out-dir": str(out), "round-timeout": 300.0})
+    data_root = str(resolve_data_root("auto").resolve())
+    cache_dir = str(resolve_cache_dir("auto").resolve())
+    cfg = cfg.with_updates({"data-root": data_root, "cache-dir": cache_dir})
+    node_cfg = {"data-root": data_root, "cache-dir": cache_dir}
+    dep = LoopbackDeployment(tmp_path / "deploy", 2, [node_cfg, node_cfg])
+    try:
+        dep.start()
+        cmd = " ".join(dep.superlink_command())
+        for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
+                     "--disable-runtime-dependency-installation"):
+            assert flag in cmd
+        assert "--insecure" not in cmd
+        assert 'partition-id=1 num-partitions=2' in " ".join(dep.supernode_command(1))
+        assert dep.online_nodes() == 2
+        nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
+        assert len(nodes) == 2
+        started = dep.pids()
+        assert len(started) >= 3  # SuperLink, 2 SuperNodes (and their SuperExecs)
+        outcome = dep.run(ROOT, override_string(cfg, _toml_value), timeout=600)
+        assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
+    finally:
+        left = dep.stop()
+    assert left == []
+    assert not any(alive(pid) for pid in started)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["transport"] == "flower"
+    assert summary["num_clients"] == 2 and summary["iterations"] == 2
+    assert summary["releases"] == {"eta-refresh": 1, "x-refresh": 1, "eta-diff": 1, "x-diff": 1}
+    assert summary["epsilon_target"] == 4.0
+    assert 3.9 <= summary["epsilon_spent"] <= 4.0 + 1e-9
+    assert summary["private"] is True
+    assert 0.0 <= summary["test_accuracy"] <= 1.0
+    assert len((out / "events.jsonl").read_text().splitlines()) == 4
+    # each node cached its own shard in a local file (cheap ClientApp start-up on later messages)
+    shards = list((Path(cache_dir) / "shards").glob("mnist-st-*-p[01]-of-2.npz"))
+    assert len(shards) >= 2
+
+
+# ----- static checks of the Docker image and compose file --------------------------------------------------
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_compose_matches_tested_deployment_flags():
+    services = _compose()["services"]
+    link = services["superlink"]
+    cmd = link["command"]
+    assert link["image"] == "flwr/superlink:1.42.0"
+    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
+                 "--disable-runtime-dependency-installation", "--port"):
+        assert flag in cmd, flag
+    assert "--insecure" not in cmd
+    assert cmd[cmd.index("--isolation") + 1] == "process"  # the executors run in their own containers
+    port = cmd[cmd.index("--port") + 1]
+    nodes = [s for name, s in services.items() if name.startswith("supernode-")]
+    assert len(nodes) == 2
+    for i, node in enumerate(sorted(nodes, key=lambda s: s["command"][s["command"].index("--node-config") + 1])):
+        c = node["command"]
+        assert node["image"] == "flwr/supernode:1.42.0"
+        assert c[c.index("--superlink") + 1] == f"superlink:{port}"
+        assert "--root-certificates" in c and "--auth-supernode-private-key" in c and "--insecure" not in c
+        assert c[c.index("--isolation") + 1] == "process"
+        assert c[c.index("--node-config") + 1].startswith(f"partition-id={i} num-partitions=2")
+    executors = [s for name, s in services.items() if name.startswith(("serverapp", "clientapp"))]
+    assert len(executors) == 3  # one ServerApp executor, one ClientApp executor per SuperNode
+    for ex in executors:
+        assert ex["build"]["context"] == "."
+        c = ex["command"]
+        assert "--runtime-api-address" in c
+    server_ex = services["serverapp"]["command"]
+    assert server_ex[server_ex.index("--runtime-api-address") + 1] == f"superlink:{port}"
+    assert "--root-certificates" in server_ex and "--insecure" not in server_ex
+    # data mounted read-only on the ClientApp executors, which are the only readers
+    for name in ("clientapp-1", "clientapp-2"):
+        vols = services[name]["volumes"]
+        assert any(v.endswith(":/data:ro") for v in vols), vols
+    # private keys only where needed: the SuperLink's TLS key, each node its own auth key
+    assert not any("server.key" in str(v) for n, s in services.items() if n != "superlink"
+                   for v in s.get("volumes", []))
+
+
+def test_dockerfile_is_superexec_based_with_cpu_default_and_cuda_arg():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM flwr/superexec:1\.42\.0", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert "${TORCH_INDEX_URL}" in text
+    assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in text
+    # the image must carry every package the app imports
+    for folder in ("dpdro", "common", "server", "client"):
+        assert re.search(rf"^COPY .*\b{folder}\b", text, re.M), folder
+    # torch pin agrees with pyproject.toml
+    pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f"torch=={pin}" in text
+
+
+def test_operator_guide_mentions_tested_commands():
+    text = (ROOT / "docs" / "OPERATOR.md").read_text()
+    for needle in ("flwr supernode register", "flwr supernode unregister", "--enable-supernode-auth",
+                   "--auth-supernode-private-key", "--root-certificates", "dpdro certs create", "dpdro deploy",
+                   "Docker was not run"):
+        assert needle in text, needle
+    assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")

@@ -182,6 +182,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from dpdro.simulations.audit import run_audit
+
+    path = run_audit([float(e) for e in args.epsilons], args.shadows, args.records, args.iterations,
+                     Path(args.root), Path(args.docs))
+    print(path.read_text())
+    return 0
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     for f in FIELDS:
         print(f"{f.key} = {f.default!r}\n    {f.help} Allowed: {f.allowed()}.")
@@ -211,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "sweep":
             s.add_argument("--transport", default="local", choices=("local", "flower"))
             s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")
+    s = sub.add_parser("audit", help="membership-inference audit (loss threshold, LiRA); writes docs/AUDIT.md")
+    s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])
+    s.add_argument("--shadows", type=int, default=4)
+    s.add_argument("--records", type=int, default=4000)
+    s.add_argument("--iterations", type=int, default=150)
+    s.add_argument("--root", default="runs/audit")
+    s.add_argument("--docs", default="docs")
     s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")
     s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
     s.add_argument("--root", default="runs/equivalence")
@@ -261,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from dpdro.common.models import ModelError
 
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
-                "report": cmd_report, "equivalence": cmd_equivalence}
+                "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit}
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy

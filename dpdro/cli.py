@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("--profile", default="quick", choices=("quick", "paper"))
+        s.add_argument("--profile", default="quick", choices=("quick", "paper", "smoke"))
         s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
         s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
         if name == "sweep":

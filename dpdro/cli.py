@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     handlers["deploy"] = cmd_deploy
     try:
         return handlers[args.command](args)
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
+        sys.stderr.close()
+        return 0
     except (ConfigError, DataError, ModelError) as e:
         print(f"dpdro: error: {e}", file=sys.stderr)
         return 2

@@ -43,5 +43,5 @@ def main(grid: Grid, context: Context) -> None:
                    transport_name="flower")
     s = result.summary
     print(f"[dpdro] done: test accuracy {s['test_accuracy']:.4f}, worst-class accuracy "
-          f"{s['worst_class_accuracy']:.4f}, epsilon {s['epsilon_spent']}, {s['wall_seconds']:.1f} s; "
+          f"{s['worst_class_accuracy']:.4f}, epsilon {s['epsilon_spent']:.4f}, {s['wall_seconds']:.1f} s; "
           f"run directory {cfg.out_dir}", flush=True)

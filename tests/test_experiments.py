@@ -49,3 +49,15 @@ def test_equivalence_command_on_mnist_st(tmp_path, flower_superlink):
     assert row["max_abs_param_diff"] <= 1e-6 and row["epsilon_diff"] <= 1e-9 and row["transport"] == "flower"
     text = write_table([row], {"cifar10-st": "data files not available here"}, tmp_path).read_text()
     assert "| mnist-st | 600 |" in text and "cifar10-st | not run" in text
+
+
+def test_audit_smoke_on_real_data(tmp_path):
+    from dpdro.simulations.audit import run_audit
+
+    path = run_audit([float("inf"), 8.0], shadows=1, records=200, iterations=2, root=tmp_path / "runs",
+                     docs=tmp_path / "docs")
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| inf") or line.startswith("| 8 ")]
+    assert len(rows) == 2
+    for row in rows:
+        values = [float(v) for v in row.strip("|").split("|")[1:]]
+        assert all(0.0 <= v <= 1.0 for v in values)

@@ -186,7 +186,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from dpdro.simulations.audit import run_audit
 
     path = run_audit([float(e) for e in args.epsilons], args.shadows, args.records, args.iterations,
-                     Path(args.root), Path(args.docs))
+                     Path(args.root), Path(args.docs), args.algorithm)
     print(path.read_text())
     return 0
 
@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])
     s.add_argument("--shadows", type=int, default=4)
     s.add_argument("--records", type=int, default=4000)
-    s.add_argument("--iterations", type=int, default=150)
+    s.add_argument("--iterations", type=int, default=200)
+    s.add_argument("--algorithm", default="dp-sgd")
     s.add_argument("--root", default="runs/audit")
     s.add_argument("--docs", default="docs")
     s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")

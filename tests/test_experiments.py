@@ -22,6 +22,7 @@ def test_smoke_sweep_report_and_resume(tmp_path):
     text = report.read_text()
     for ds in ("mnist-st", "fashion-mnist-st", "celeba"):
         assert f"## {ds}" in text and (docs / "plots" / f"{ds}_accuracy_vs_epsilon.png").stat().st_size > 1000
+        assert (docs / "plots" / f"{ds}_training_curves.png").stat().st_size > 1000
     rows = list(csv.DictReader(open(docs / "results.csv")))
     assert len(rows) == 6
     celeba = [r for r in rows if r["dataset"] == "celeba"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..common.config import Config
@@ -169,7 +169,5 @@ def release(msg: Message, context: Context) -> Message:
         raise KeyError(f"missing model versions {missing}")
     replies = [worker.answer(q, versions) for q in queries]
     newest = sorted(versions)[-KEEP_VERSIONS:]
-    from flwr.app import Array
-
     context.state["versions"] = ArrayRecord({str(k): Array(versions[k]) for k in newest})
     return Message(pack_replies(replies), reply_to=msg)

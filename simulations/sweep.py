@@ -227,17 +227,24 @@ def _plot_curves(root: Path, profile: Profile, folder: Path) -> list[Path]:
         if not drawn:
             plt.close(fig)
             continue
-        for ax, title in zip(axes, ("test accuracy", "worst-class / worst-group accuracy"), strict=True):
-            ax.set_xlabel("iteration")
-            ax.set_title(f"{ds}, epsilon {eps:g}, seed {profile.seeds[0]}: {title}")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        out = folder / f"{ds}_training_curves.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        paths.append(out)
+        paths.append(_finish(fig, axes, "iteration", f"{ds}, epsilon {eps:g}, seed {profile.seeds[0]}",
+                             folder / f"{ds}_training_curves.png"))
     return paths
+
+
+def _finish(fig, axes, xlabel: str, title: str, path: Path) -> Path:
+    """Label the (accuracy, worst accuracy) pair of axes, save the figure as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    for ax, what in zip(axes, ("test accuracy", "worst-class / worst-group accuracy"), strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{title}: {what}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _plot(groups: dict, profile: Profile, folder: Path) -> list[Path]:
@@ -260,15 +267,7 @@ def _plot(groups: dict, profile: Profile, folder: Path) -> list[Path]:
                 means = [_mean_std([r[key] for r in rs]) for _, rs in pts]
                 ax.errorbar([e for e, _ in pts], [m for m, _ in means], yerr=[s for _, s in means], marker="o",
                             label=algo, capsize=3)
-        for ax, title in zip(axes, ("test accuracy", "worst-class / worst-group accuracy"), strict=True):
+        for ax in axes:
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("epsilon")
-            ax.set_title(f"{ds}: {title}")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"{ds}_accuracy_vs_epsilon.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(fig, axes, "epsilon", ds, folder / f"{ds}_accuracy_vs_epsilon.png"))
     return paths

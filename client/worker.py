@@ -16,7 +16,7 @@ from ..common.config import parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
 from ..common.models import make_model, resolve_model
-from ..common.per_sample import FlatModel, clipped_sum
+from ..common.per_sample import FlatModel, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
 
@@ -45,6 +45,7 @@ class ShardWorker:
         name = resolve_model(cfg.model, cfg.dataset)
         self.model = FlatModel(make_model(name, shard.num_classes, cfg.seed, self.dtype).to(self.device))
         self.problem = Problem.from_config(cfg)
+        self._problems: dict[tuple[float, ...], Problem] = {}
         self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
 
     @property
@@ -75,33 +76,52 @@ class ShardWorker:
             time.sleep(3600)
         return kind if kind == "nan" else None
 
+    def _problem(self, offset: tuple[float, ...]) -> Problem:
+        if offset not in self._problems:
+            self._problems = {offset: self.problem.with_offset(offset, self.dtype, self.device)}
+        return self._problems[offset]
+
     def answer(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
-        """Sum of clipped per-record vectors over this shard's sample. ``versions`` maps the query's model
-        version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
+        """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
+        ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
+        with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
+        local noise modes; the noise comes from the OS CSPRNG unless reproducible) and reports no count
+        (-1): the server is not trusted with it. ``versions`` maps the query's model version ids to flat
+        parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         idx = self.sample(query)
-        total = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
-                              self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip, query.dim,
-                              self.problem, query.extra, self.cfg.chunk_size)
+        total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
+                                       self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
+                                       query.dim, self._problem(query.offset), query.extra, self.cfg.chunk_size)
         out = total.cpu().numpy()
+        if query.count_scale > 0:
+            out = np.append(out, query.count_scale * query.clip * clipped)
+        count = int(len(idx))
+        if query.noise_std > 0:
+            rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
+                           self.partition, query.attempt)
+            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            count = -1
         if fault == "nan":
             out[:] = np.nan
-        return Reply(query.qid, self.partition, out, int(len(idx)))
+        return Reply(query.qid, self.partition, out, count)
 
 
 def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, y: torch.Tensor,
                   rows: torch.Tensor, clip: float, dim: int, problem: Problem, extra=(),
-                  chunk_size: int = 256) -> torch.Tensor:
+                  chunk_size: int = 256) -> tuple[torch.Tensor, int]:
     """Sum over the records ``rows`` of clip_{clip}(sum_j coefs[j] fn(flats[j], scalars[j])), shape (dim,),
-    float64 on x's device: the work of one client on one query.
+    float64 on x's device, and the number of records whose vector was scaled down by the clip: the work of
+    one client on one query.
 
     Records are processed ``chunk_size`` at a time (vectorised within a chunk), so peak memory grows with
     chunk_size * dim, not with the number of records. ``flats`` are (d,) parameter points, ``rows`` (m,)
     indices into x (N, ...) and y (N,); ``fn`` is a per-record quantity of ``common.quantities``.
     """
     total = torch.zeros(dim, dtype=torch.float64, device=x.device)
+    clipped = 0
     for start in range(0, int(rows.shape[0]), chunk_size):
         sel = rows[start:start + chunk_size]
         xb, yb = x[sel], y[sel]
@@ -114,5 +134,7 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
                 v.sub_(term)  # v is this chunk's own fresh tensor; in place saves a (chunk, D) pass
             else:
                 v = v + coef * term
-        total += clipped_sum(v, clip).to(torch.float64)
-    return total
+        part, n_clipped = clipped_sum_and_count(v, clip)
+        total += part.to(torch.float64)
+        clipped += n_clipped
+    return total, clipped

@@ -125,7 +125,9 @@ class Field:
         return out
 
 
-ALGORITHMS = ("dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-dual", "dp-spiderboost", "dp-sgda")
+ALGORITHMS = ("dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-la", "dp-sgd-dual", "dp-spiderboost",
+              "dp-sgda")
+ETA_ALGORITHMS = ("dp-double-spider", "dp-sgd-dual", "dp-spiderboost")  # algorithms with a dual variable eta
 DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist", "cifar10-st", "cifar10", "celeba")
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 
@@ -147,6 +149,12 @@ FIELDS: tuple[Field, ...] = (
           "order after the '-st' construction (0: all). For tests and smoke runs.", low=0),
     Field("max-test-records", "int", 0, "Evaluate on at most this many test records, evenly spaced (0: all).",
           low=0),
+    Field("validation-fraction", "float", 0.0, "Fraction of the training records held out as a validation split "
+          "(stratified by class, seeded by split-seed; never trained on). 0: none. The CelebA subset has its own "
+          "fixed 10% validation split, so this key must stay 0 there.", low=0.0, high=0.5, high_open=True),
+    Field("eval-split", "str", "test", "Split evaluated during and after training: 'test' (public) or "
+          "'validation' (held-out training records, for tuning: their metrics are not privacy-accounted).",
+          choices=("test", "validation")),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
           low=1, high=10_000),
     Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet")),
@@ -163,8 +171,31 @@ FIELDS: tuple[Field, ...] = (
           low=0.0, high=1.0, low_open=True, high_open=True),
     Field("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
           "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6),
-    Field("eta-init", "float", 0.0, "Initial dual variable (public; not learned from data).",
+    Field("eta-init", "float", 0.0, "Initial dual variable when eta-init-source='config' (public).",
           low=-1e6, high=1e6),
+    Field("eta-init-source", "str", "config", "'config': eta starts at eta-init; 'private-mean-loss': at the mean "
+          "loss min(l, B) of all records at the initial model divided by eta-scale, released once with Gaussian "
+          "noise (multiplier eta-init-noise-multiplier, sensitivity B) and charged to the ledger (chi2's optimal "
+          "eta when every DRO weight is positive).", choices=("config", "private-mean-loss")),
+    Field("eta-init-noise-multiplier", "float", 10.0, "Noise multiplier of the private eta initialisation "
+          "(std = multiplier * loss-bound on the loss sum over all n records).", low=0.0, low_open=True, high=1e6),
+    Field("dro-clip", "str", "product", "How DRO weights meet clipping (dp-double-spider): 'product' clips "
+          "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
+          "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
+          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip")),
+    # class-prior correction for long-tailed data (Menon et al. 2021)
+    Field("logit-adjust-tau", "float", AUTO, "tau of the logit-adjusted loss CE(f(x) + tau log pi, y) used by "
+          "every per-record loss (0: plain cross-entropy). 'auto': 1 for dp-sgd-la, 0 otherwise.", low=0.0,
+          high=100.0, auto=True),
+    Field("posthoc-tau", "float", 0.0, "Post-hoc logit adjustment at prediction: argmax f(x) - tau log pi "
+          "(0: argmax f(x)).", low=0.0, high=100.0),
+    Field("class-prior", "str", "private", "Where pi comes from when a tau is > 0: 'private' = a class histogram "
+          "of all records released once with Gaussian noise (prior-noise-multiplier) and charged to the ledger; "
+          "'public' = class-prior-values, declared public by you (not accounted).", choices=("private", "public")),
+    Field("class-prior-values", "str", "", "Comma-separated class counts or frequencies (K non-negative numbers) "
+          "for class-prior='public'.", ),
+    Field("prior-noise-multiplier", "float", 10.0, "Noise multiplier (std on each class count; sensitivity 1) "
+          "of the private class histogram.", low=0.0, low_open=True, high=1e6),
     # KL-DRO as a compositional problem (recursive-spider) and bounded losses
     Field("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
           low=0.0, high=1e3),
@@ -213,7 +244,19 @@ FIELDS: tuple[Field, ...] = (
     Field("clip-diff-max", "float", 1.0, "C_max, the largest difference clipping norm.",
           low=0.0, low_open=True, high=1e6),
     Field("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
-          "(calibration scales both to meet the target).", low=0.0, low_open=True, high=1e3),
+          "(calibration scales both to meet the target; noise-allocation='ratios').", low=0.0, low_open=True,
+          high=1e3),
+    Field("noise-allocation", "str", "ratios", "How the noise multipliers of an algorithm's mechanisms relate: "
+          "'ratios' = eta-noise-ratio / s-noise-ratio; 'variance' = the rule of server/allocation.py minimising "
+          "the weighted noise variance of the released estimates per unit of privacy (calibration then scales "
+          "all of them to the target).", choices=("ratios", "variance")),
+    Field("rs-clip-units", "str", "absolute", "recursive-spider's v/u clip bounds: 'absolute' (clip-x, clip-diff "
+          "on [grad_x g~ ; c_u d_lambda g~]) or 'relative' (the vector is scaled by lambda_t / s_{t-1} first, so the "
+          "bounds are in the units of the update z = lambda v / s; ALGORITHMS.md 5.4).",
+          choices=("absolute", "relative")),
+    Field("clip-count-scale", "float", 0.1, "c: every private release carries one more coordinate "
+          "c * clip * 1[record clipped], so its noisy value estimates the clipped fraction (the sensitivity becomes "
+          "clip sqrt(1 + c^2): 0.5% more noise at 0.1). 0: not measured.", low=0.0, high=10.0),
     Field("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
           "(public coin) as in the theory.", choices=("last", "random")),
     # privacy
@@ -222,6 +265,10 @@ FIELDS: tuple[Field, ...] = (
     Field("delta", "float", AUTO, "Target delta; 'auto': n^-1.1 for n training records.", low=0.0,
           high=1.0, low_open=True, high_open=True, auto=True),
     Field("accountant", "str", "rdp", "dp-accounting accountant: 'rdp' or 'pld'.", choices=("rdp", "pld")),
+    Field("noise-mode", "str", "central", "Where the Gaussian noise is added: 'central' (the server adds it to the "
+          "sum of clipped sums: a trusted server), 'distributed' (each client adds its 1/m share of the variance and "
+          "the server only sees the SecAgg+ sum on Flower), 'local' (each client adds the full noise: private even "
+          "against the server). README: trust models.", choices=("central", "distributed", "local")),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1),
@@ -323,6 +370,46 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
             raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
+        if self.dataset == "celeba" and self.validation_fraction > 0:
+            raise ConfigError(f"config key 'validation-fraction': got {self.validation_fraction}; allowed for "
+                              "celeba: 0 only (the CelebA subset has its own fixed validation split)")
+        if self.eval_split == "validation" and self.dataset != "celeba" and self.validation_fraction == 0:
+            raise ConfigError("config key 'eval-split': got 'validation'; allowed only with validation-fraction > 0 "
+                              f"(got {self.validation_fraction}) or dataset 'celeba'")
+        if self.class_prior == "public" and self.uses_priors:
+            self.public_prior()  # raises for a malformed list
+        if self.algorithm == "dp-sgd-la" and self.tau == 0:
+            raise ConfigError("config key 'logit-adjust-tau': got 0; allowed for dp-sgd-la: > 0 or 'auto' (dp-sgd-la "
+                              "is DP-SGD on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
+
+    @property
+    def tau(self) -> float:
+        """The logit-adjustment tau in effect ('auto': 1 for dp-sgd-la, 0 otherwise)."""
+        if self.logit_adjust_tau == AUTO:
+            return 1.0 if self.algorithm == "dp-sgd-la" else 0.0
+        return float(self.logit_adjust_tau)
+
+    @property
+    def uses_priors(self) -> bool:
+        """Whether the run needs class priors pi (a logit adjustment at training or at prediction)."""
+        return self.tau > 0 or self.posthoc_tau > 0
+
+    @property
+    def private_eta_init(self) -> bool:
+        """Whether eta starts from the private mean-loss release."""
+        return self.eta_init_source == "private-mean-loss" and self.algorithm in ETA_ALGORITHMS
+
+    def public_prior(self) -> list[float]:
+        """class-prior-values as non-negative floats; raises ConfigError if empty, malformed or all zero."""
+        text = self.class_prior_values.strip()
+        try:
+            values = [float(v) for v in text.split(",")] if text else []
+        except ValueError:
+            values = []
+        if not values or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+            raise ConfigError(f"config key 'class-prior-values': got {self.class_prior_values!r}; allowed with "
+                              "class-prior='public': comma-separated non-negative numbers, one per class, not all 0")
+        return values
 
 
 FAULT_KINDS = ("raise", "raise-once", "nan", "hang")

@@ -295,6 +295,13 @@ def long_tailed_indices(labels: np.ndarray, num_classes: int, ratio: float) -> n
     return np.flatnonzero(keep).astype(np.int64)
 
 
+def validation_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) positions into ``labels`` (N,): ``fraction`` of every class (rounded) goes to
+    validation after a shuffle seeded by ``seed`` (config split-seed); both sorted, disjoint, covering all."""
+    train, val = stratified_split(np.asarray(labels), (1.0 - fraction, fraction), seed)
+    return train, val
+
+
 def even_subset(n: int, k: int) -> np.ndarray:
     """k indices of range(n) evenly spaced (all of them when k == 0 or k >= n); deterministic."""
     if k == 0 or k >= n:
@@ -309,32 +316,38 @@ def _to_float(images: torch.Tensor) -> torch.Tensor:
 
 def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cache_dir: str = AUTO,
                  download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0,
-                 split_seed: int = 0) -> ArrayDataset:
+                 split_seed: int = 0, validation_fraction: float = 0.0) -> ArrayDataset:
     """Load a split of ``dataset`` (config key values) as an ArrayDataset.
 
-    ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for CelebA's
-    validation split. Raises ValueError for an unknown dataset or split and DataError when files are
-    missing or corrupt.
+    ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for the
+    validation split: CelebA's own, or for the other data sets the ``validation_fraction`` of the training
+    split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
+    excludes. Raises ValueError for an unknown dataset or split and DataError when files are missing or
+    corrupt.
     """
     if dataset not in _SOURCES:
         raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(_SOURCES)}")
     split = {True: "train", False: "test"}.get(train, train)
-    if split not in ("train", "val", "test") or (split == "val" and dataset != "celeba"):
-        raise ValueError(f"unknown split {train!r} for {dataset}")
+    if split not in ("train", "val", "test") or (split == "val" and dataset != "celeba" and validation_fraction <= 0):
+        raise ValueError(f"unknown split {train!r} for {dataset} (a validation split needs validation-fraction > 0)")
     class_name, long_tailed = _SOURCES[dataset]
     root, cache = resolve_data_root(data_root), resolve_cache_dir(cache_dir)
     groups = None
+    from_train_files = split in ("train", "val")  # a validation split is carved from the training files
     if class_name == "CIFAR10":
-        images, labels = _load_cifar10(split == "train", root, cache, download)
+        images, labels = _load_cifar10(from_train_files, root, cache, download)
     elif class_name == "CelebA":
         images, labels, groups = _load_celeba(split, root, cache, download, split_seed)
     else:
-        images, labels = _load_torchvision(class_name, split == "train", root, cache, download)
+        images, labels = _load_torchvision(class_name, from_train_files, root, cache, download)
     num_classes = 2 if class_name == "CelebA" else 10
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
-    if split == "train" and long_tailed:
-        idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
+    if split in ("train", "val") and class_name != "CelebA":
+        if long_tailed:
+            idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
+        if validation_fraction > 0:
+            idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
     t = torch.as_tensor(idx)
     return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
@@ -342,8 +355,13 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
 
 
 def load_from_config(cfg, train: bool | str) -> ArrayDataset:
-    """The training, test (or, for CelebA, 'val') split described by a ``Config``."""
-    return load_dataset(cfg.dataset, train, data_root=cfg.data_root, cache_dir=cfg.cache_dir,
+    """A split described by a ``Config``: True / 'train' the training split (without any validation part);
+    False / 'eval' the split named by config key eval-split ('test', or 'validation' = 'val'); or 'test' / 'val'
+    explicitly."""
+    split = {False: "eval", True: "train"}.get(train, train)
+    if split == "eval":
+        split = "val" if cfg.eval_split == "validation" else "test"
+    return load_dataset(cfg.dataset, split, data_root=cfg.data_root, cache_dir=cfg.cache_dir,
                         download=cfg.download, imbalance_ratio=cfg.imbalance_ratio,
-                        max_records=cfg.max_train_records if train in (True, "train") else cfg.max_test_records,
-                        split_seed=cfg.split_seed)
+                        max_records=cfg.max_train_records if split == "train" else cfg.max_test_records,
+                        split_seed=cfg.split_seed, validation_fraction=cfg.validation_fraction)

@@ -7,6 +7,7 @@ check the reply and never released) leave a client.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,12 @@ class Query:
         clip: L2 clipping norm of each per-record vector (inf: no clipping, non-private runs).
         dim: length D of the summed vector.
         attempt: 0 for the first try of a release, k for its k-th retry after a client failure.
+        offset: public logit offset (K,) of the logit-adjusted loss, tau log(pi); empty: plain cross-entropy.
+        count_scale: c > 0 appends one coordinate c * clip * 1[record clipped] to every per-record vector, so
+            that the noisy release also estimates the clipped fraction (config clip-count-scale); the joint
+            vector's norm is <= clip sqrt(1 + c^2), the ``sensitivity``. 0: no such coordinate.
+        noise_std: std of the Gaussian noise each client adds to its own sum before replying (distributed and
+            local noise modes); 0 in central mode, where the server adds the noise.
     """
 
     iteration: int
@@ -49,6 +56,20 @@ class Query:
     attempt: int = 0
     coefs: tuple[float, ...] = ()
     extra: tuple[float, ...] = ()
+    offset: tuple[float, ...] = ()
+    count_scale: float = 0.0
+    noise_std: float = 0.0
+
+    @property
+    def out_dim(self) -> int:
+        """Length of a reply's vector: ``dim`` plus the clipped-count coordinate if ``count_scale`` > 0."""
+        return self.dim + (1 if self.count_scale > 0 else 0)
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 bound of one record's contribution to the reply: clip, or clip sqrt(1 + c^2) with the
+        clipped-count coordinate (inf in non-private runs)."""
+        return self.clip * math.sqrt(1.0 + self.count_scale**2) if self.count_scale > 0 else self.clip
 
     def point_coefs(self) -> tuple[float, ...]:
         if self.coefs:

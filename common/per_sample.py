@@ -47,17 +47,21 @@ class FlatModel:
         """Model outputs (B, K) at parameters ``flat`` for inputs ``x`` (B, ...)."""
         return functional_call(self.module, (self.unflatten(flat), self.buffers), (x,))
 
-    def losses(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Per-record cross-entropy (B,) at ``flat``."""
-        return F.cross_entropy(self.logits(flat, x), y, reduction="none")
+    def losses(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-record cross-entropy (B,) at ``flat`` of the logits plus ``offset`` (K,) if given: with
+        offset = tau log(pi) this is the logit-adjusted loss of Menon et al. (2021), eq. (10)."""
+        logits = self.logits(flat, x)
+        return F.cross_entropy(logits if offset is None else logits + offset, y, reduction="none")
 
-    def losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor,
-                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, vectorised with torch.func."""
+    def losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                         offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, vectorised with torch.func;
+        ``offset`` (K,) as in ``losses``."""
 
         def one(p: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             out = functional_call(self.module, (self.unflatten(p), self.buffers), (xi.unsqueeze(0),))
-            return F.cross_entropy(out, yi.unsqueeze(0))
+            return F.cross_entropy(out if offset is None else out + offset, yi.unsqueeze(0))
 
         grads, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(flat, x, y)
         return losses, grads
@@ -78,8 +82,13 @@ def clip_rows(v: torch.Tensor, bound: float) -> torch.Tensor:
 def clipped_sum(v: torch.Tensor, bound: float) -> torch.Tensor:
     """Sum over rows of ``clip_rows(v, bound)``, shape (D,), computed as one matrix-vector product of the
     per-row scales with v (no clipped (B, D) copy is formed). Same bound semantics as ``clip_rows``."""
+    return clipped_sum_and_count(v, bound)[0]
+
+
+def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, int]:
+    """(``clipped_sum(v, bound)``, number of rows whose norm exceeded ``bound`` and were scaled down)."""
     if math.isinf(bound):
-        return v.sum(0)
+        return v.sum(0), 0
     norms = torch.linalg.vector_norm(v, dim=1)
     scale = torch.clamp(bound / torch.clamp(norms, min=1e-30), max=1.0)
-    return scale @ v
+    return scale @ v, int((norms > bound).sum())

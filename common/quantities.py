@@ -10,12 +10,12 @@ then clips. Formulas: ALGORITHMS.md 1.2 (psi-divergence dual), 2.4 (shifted KL c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .dro import dro_weight, dual_eta_grad
-from .per_sample import FlatModel
+from .per_sample import FlatModel, clip_rows
 from .psi import Psi, make_psi
 
 
@@ -30,11 +30,19 @@ class Problem:
     eta_scale: float
     loss_bound: float = 10.0
     u_scale: float = 1.0
+    clamp_weights: bool = False  # DRO weights of min(l, B) (dro-clip=weight-after-clip)
+    offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
 
     @classmethod
     def from_config(cls, cfg) -> Problem:
         return cls(psi=make_psi(cfg.psi, cfg.cvar_alpha), lam=cfg.lambda_, eta_scale=cfg.eta_scale,
-                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale)
+                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=cfg.dro_clip == "weight-after-clip")
+
+    def with_offset(self, offset: Sequence[float], dtype: torch.dtype, device: torch.device) -> Problem:
+        """This problem with the logit offset of a query (empty: the plain cross-entropy)."""
+        if not offset:
+            return replace(self, offset=None)
+        return replace(self, offset=torch.as_tensor(list(offset), dtype=dtype, device=device))
 
 
 QuantityFn = Callable[[FlatModel, torch.Tensor, float, torch.Tensor, torch.Tensor, Problem, Sequence[float]],
@@ -42,36 +50,76 @@ QuantityFn = Callable[[FlatModel, torch.Tensor, float, torch.Tensor, torch.Tenso
 
 
 def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
-    """d_eta L(x, eta; xi) = G (1 - psi*'(s)) per record, shape (B, 1). ``eta`` is the point's scalar."""
+    """d_eta L(x, eta; xi) = G (1 - psi*'(s)) per record, shape (B, 1). ``eta`` is the point's scalar.
+    With ``problem.clamp_weights`` the loss is clamped at the public bound B first, as in
+    ``dual_x_weight_after_clip`` (so both blocks see the same weights)."""
     with torch.no_grad():
-        losses = model.losses(flat, x, y)
+        losses = model.losses(flat, x, y, problem.offset)
+        if problem.clamp_weights:
+            losses = torch.clamp(losses, max=problem.loss_bound)
     return dual_eta_grad(losses, eta, problem.psi, problem.lam, problem.eta_scale).unsqueeze(1)
 
 
 def dual_x(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """grad_x L(x, eta; xi) = psi*'(s) grad_x l(x; xi) per record, shape (B, d)."""
-    losses, grads = model.losses_and_grads(flat, x, y)
+    losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     w = dro_weight(losses.detach(), eta, problem.psi, problem.lam, problem.eta_scale)
     return grads * w.unsqueeze(1)
+
+
+def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bound: float) -> float:
+    """W = psi*'((B - G eta) / lambda): the largest DRO weight a record with loss clamped at the public bound B
+    can get (psi*' is non-decreasing). Public: B is a constant and eta a released iterate."""
+    return float(psi.weight(torch.tensor([(loss_bound - eta_scale * eta) / lam], dtype=torch.float64))[0])
+
+
+def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
+    """DRO weights that survive clipping (ALGORITHMS.md 5.4): w~ clip_C(grad_x l) per record, shape (B, d),
+    with C = extra[0] the clip of the loss gradient and w~ = psi*'((min(l, B) - G eta) / lambda) the weight
+    of the loss clamped at the public bound B.
+
+    Sensitivity: 0 <= w~ <= W = ``dro_weight_bound`` (psi*' is non-decreasing), so every record's vector
+    has norm <= C W. A refresh release clips at C W (a no-op kept as a guard) and adds noise z C W; the
+    product form clip_C(w grad l) would instead clip high- and low-weight records to the same norm and
+    erase the re-weighting. Clamping the loss at B makes the weight constant in l beyond B (part of the
+    model, like the KL terms of Algorithm 3)."""
+    losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
+    w = dro_weight(torch.clamp(losses.detach(), max=problem.loss_bound), eta, problem.psi, problem.lam,
+                   problem.eta_scale)
+    return clip_rows(grads, float(extra[0])) * w.unsqueeze(1)
 
 
 def dual_joint(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """[grad_x L ; d_eta L] per record, shape (B, d + 1): the gradient in z = (x, eta) as one variable
     (dp-sgd-dual and dp-spiderboost)."""
-    losses, grads = model.losses_and_grads(flat, x, y)
+    losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     w = dro_weight(losses.detach(), eta, problem.psi, problem.lam, problem.eta_scale)
     return torch.cat([grads * w.unsqueeze(1), (problem.eta_scale * (1.0 - w)).unsqueeze(1)], dim=1)
 
 
 def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
-    """grad_x l(x; xi) of the cross-entropy (ERM, dp-sgd), shape (B, d). ``scalar`` is unused."""
-    return model.losses_and_grads(flat, x, y)[1]
+    """grad_x l(x; xi) of the cross-entropy (ERM, dp-sgd; logit-adjusted when the query carries an offset),
+    shape (B, d). ``scalar`` is unused."""
+    return model.losses_and_grads(flat, x, y, problem.offset)[1]
 
 
 def class_weighted_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """extra[y] * grad_x l(x; xi): per-class weights (K,) given by the query (dp-sgda's descent), (B, d)."""
     weights = torch.as_tensor(list(extra), dtype=flat.dtype, device=flat.device)
-    return model.losses_and_grads(flat, x, y)[1] * weights[y].unsqueeze(1)
+    return model.losses_and_grads(flat, x, y, problem.offset)[1] * weights[y].unsqueeze(1)
+
+
+def class_onehot(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
+    """e_y per record, shape (B, K) with K = len(extra): summed, the class histogram (norm 1 per record, so
+    its sensitivity under add/remove is 1). Touches no parameter."""
+    return torch.nn.functional.one_hot(y, len(extra)).to(flat.dtype)
+
+
+def bounded_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
+    """min(l(x; xi), B) per record, shape (B, 1), in [0, B]: summed, the loss total behind a private
+    eta initialisation (sensitivity B)."""
+    with torch.no_grad():
+        return torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound).unsqueeze(1)
 
 
 def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
@@ -79,7 +127,7 @@ def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tens
     (bounded) losses and per-class counts (dp-sgda's ascent). Norm <= sqrt(B^2 + 1)."""
     k = len(extra)
     with torch.no_grad():
-        losses = torch.clamp(model.losses(flat, x, y), max=problem.loss_bound)
+        losses = torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound)
     onehot = torch.nn.functional.one_hot(y, k).to(flat.dtype)
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
 
@@ -92,29 +140,37 @@ def _kl_terms(losses: torch.Tensor, lam: float, bound: float) -> torch.Tensor:
 def kl_g(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     """g~(w; xi) per record, shape (B, 1), at w = (flat, lambda)."""
     with torch.no_grad():
-        losses = model.losses(flat, x, y)
+        losses = model.losses(flat, x, y, problem.offset)
     return _kl_terms(losses, lam, problem.loss_bound).unsqueeze(1)
 
 
 def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
-    """[grad_x g~ ; c_u d_lambda g~] per record, shape (B, d + 1), with grad_x g~ = g~ grad l / lambda
-    (zero where l > B: the clamp is part of the model) and d_lambda g~ = g~ (B - min(l, B)) / lambda^2."""
-    losses, grads = model.losses_and_grads(flat, x, y)
+    """k [grad_x g~ ; c_u d_lambda g~] per record, shape (B, d + 1), with grad_x g~ = g~ grad l / lambda
+    (zero where l > B: the clamp is part of the model) and d_lambda g~ = g~ (B - min(l, B)) / lambda^2.
+
+    k = extra[0] (default 1) is a public scale of the whole vector: with k = lambda_t / s_{t-1} the clip
+    bound is in the units of the update z = lambda v / s (ALGORITHMS.md 5.4; config rs-clip-units=relative),
+    and the server divides the released mean by k."""
+    losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     losses = losses.detach()
     g = _kl_terms(losses, lam, problem.loss_bound)
     inside = (losses <= problem.loss_bound).to(g.dtype)
     v = grads * (g * inside / lam).unsqueeze(1)
     u = g * (problem.loss_bound - torch.clamp(losses, max=problem.loss_bound)) / lam**2
-    return torch.cat([v, (problem.u_scale * u).unsqueeze(1)], dim=1)
+    out = torch.cat([v, (problem.u_scale * u).unsqueeze(1)], dim=1)
+    return out * float(extra[0]) if extra else out
 
 
 QUANTITIES: dict[str, QuantityFn] = {
     "dual-eta": dual_eta,
     "dual-x": dual_x,
+    "dual-x-wac": dual_x_weight_after_clip,
     "dual-joint": dual_joint,
     "ce-grad": ce_grad,
     "class-weighted-grad": class_weighted_grad,
     "class-loss-stats": class_loss_stats,
     "kl-g": kl_g,
     "kl-vu": kl_vu,
+    "class-onehot": class_onehot,
+    "bounded-loss": bounded_loss,
 }

@@ -23,7 +23,8 @@ def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> Recor
             "iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
             "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "coefs": [float(c) for c in q.coefs],
             "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
-            "scalars": [float(p.scalar) for p in q.points]})
+            "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
+            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std)})
     rd["versions"] = ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in versions.items()})
     return rd
 
@@ -36,7 +37,9 @@ def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
         points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"], strict=False))
         queries.append(Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points,
                              float(c["rate"]), float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
-                             tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", []))))
+                             tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
+                             tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
+                             float(c.get("noise-std", 0.0))))
         i += 1
     versions = {int(k): a.numpy() for k, a in rd["versions"].items()} if "versions" in rd else {}
     return queries, versions

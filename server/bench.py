@@ -155,12 +155,12 @@ class StepBench:
         """x-refresh: clipped (C = 1) sum over the batch of the per-record grad_x L (chi2 dual), (d,)."""
         model = self.flat_model
         return clipped_total(model, self.fn, [self.flat0], [0.1], (1.0,), self.x, self.y, self.rows, 1.0,
-                             model.dim, self.problem, (), chunk_size or self.chunk_size)
+                             model.dim, self.problem, (), chunk_size or self.chunk_size)[0]
 
     def difference(self) -> torch.Tensor:
         """x-diff: clipped (C = 1) sum of per-record grad_x L(flat1) - grad_x L(flat0), (d,)."""
         return clipped_total(self.flat_model, self.fn, [self.flat1, self.flat0], [0.1, 0.1], (1.0, -1.0),
-                             self.x, self.y, self.rows, 1.0, self.flat_model.dim, self.problem, (), self.chunk_size)
+                             self.x, self.y, self.rows, 1.0, self.flat_model.dim, self.problem, (), self.chunk_size)[0]
 
     def nonprivate(self) -> None:
         """Non-private minibatch gradient: forward and backward of the mean cross-entropy."""

@@ -13,6 +13,7 @@ import math
 import platform
 import resource
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,10 +27,13 @@ from ..common.messages import Query, Reply
 from ..common.models import make_model, resolve_model
 from ..common.per_sample import FlatModel
 from ..common.rng import site_rng
+from . import setup as setup_releases
 from .algorithms import make_algorithm
+from .allocation import allocate, proxy_variance
+from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
-from .ledger import Ledger, calibrate
-from .release import aggregate, noisy_mean, split_valid
+from .ledger import Ledger, calibrate, epsilon_of
+from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
 from .rundir import RunDir, read_json, write_json
 from .transport import ClientFailure, Transport
 
@@ -113,6 +117,84 @@ def _comparable(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in RUNTIME_KEYS}
 
 
+class Releaser:
+    """Executes the releases of a run: decorates each query (logit offset, clipped-count coordinate, client
+    noise share), collects the replies under the failure policy, charges the ledger, adds the server's
+    noise, normalises and records the event. One instance per run; shared by the setup and training stages.
+
+    ``server_view`` counts, per (rate, multiplier), the releases as the server itself saw them (the
+    guarantee against the server in distributed and local noise modes; ``release.server_view_multiplier``).
+    """
+
+    def __init__(self, cfg: Config, transport: Transport, ledger: Ledger, n: int, rd: RunDir) -> None:
+        self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
+        self.offset: tuple[float, ...] = ()
+        self.monitor = NoiseMonitor()
+        self.server_view: Counter = Counter()
+        self.last: dict[str, dict] = {}
+
+    def decorate(self, q: Query, *, diagnostics: bool = True) -> Query:
+        cfg = self.cfg
+        count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
+        q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
+        z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
+        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.transport.num_clients)
+        return dataclasses.replace(q, noise_std=share)
+
+    def run(self, raw: Sequence[Query], versions: dict[int, np.ndarray], *, setup: bool = False
+            ) -> dict[str, np.ndarray]:
+        """Release every query of one round; returns mechanism -> released mean (D,) float64."""
+        queries = [self.decorate(q, diagnostics=not setup) for q in raw]
+        for q in queries:  # refuse before anything leaves a client if the plan would be overspent
+            self.ledger.check(q.mechanism, q.rate)
+        replies = collect_round(self.cfg, self.transport, queries, versions)
+        m = self.transport.num_clients
+        released, events = {}, []
+        for q in queries:
+            got = replies[q.qid]
+            total = aggregate(q, got)
+            self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
+            z = self.ledger.noise_multiplier(q.mechanism)
+            mode = self.cfg.noise_mode
+            self.server_view[(q.rate, server_view_multiplier(mode, z, m, len(got)))] += 1
+            rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
+            std = server_noise_std(mode, z, q.sensitivity, m, len(got))
+            mean = noisy_mean(q, total, std, self.n, rng)
+            expected = q.rate * self.n
+            event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
+                     "clip": q.clip, "expected_batch": expected, "clients": len(got), "noise_mode": mode,
+                     "noise_std_of_mean": z * q.sensitivity / expected}
+            if setup:
+                event["phase"] = "setup"
+            if q.count_scale > 0:
+                event["clipped_fraction"] = float(mean[-1] / (q.count_scale * q.clip))
+                mean = mean[:-1]
+            released[q.mechanism] = mean
+            event = self.monitor.observe(event)
+            events.append(event)
+            self.last[q.mechanism] = event
+        self.rd.append_events(events)
+        return released
+
+    def server_view_epsilon(self, delta: float, accountant: str) -> float:
+        """Epsilon against the server itself of every release so far (inf in central mode)."""
+        if not self.cfg.private or any(z <= 0 for (_, z) in self.server_view):
+            return math.inf
+        return epsilon_of(self.server_view, delta, accountant)
+
+
+def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
+    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
+    profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
+    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles)}
+    if cfg.private:
+        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
+        noise = {m.name: m.noise_at(scale) for m in plan}
+    else:
+        noise = {m.name: 0.0 for m in plan}
+    return plan, noise, profiles
+
+
 def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool = False,
           progress: Progress | None = None, transport_name: str = "local") -> RunResult:
     """Run (or, with ``resume``, continue) training as configured; write the run directory.
@@ -133,31 +215,35 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     model = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), test.num_classes, cfg.seed, dtype))
     algo = make_algorithm(cfg, n, model.dim, test.num_classes)
-    plan = algo.plan()
-    if cfg.private:
-        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
-        noise = {m.name: m.relative_noise * scale for m in plan}
-    else:
+    if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
-        noise = {m.name: 0.0 for m in plan}
+    plan, noise, profiles = plan_run(cfg, algo, n, delta)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
     log.info("n=%d delta=%.3g noise multipliers %s", n, delta, {k: round(v, 4) for k, v in noise.items()})
+    for warning in algo.regime_warnings(noise):
+        log.warning("%s", warning)
 
     rd = RunDir(cfg.out_dir)
     rd.create()
     meta_config = {**cfg.to_dict(), "delta_resolved": delta, "n": n, "transport": transport_name,
                    "versions": _versions()}
-    state = algo.init_state(model.initial().double().numpy())
+    x0 = model.initial().double().numpy()
+    releaser = Releaser(cfg, transport, ledger, n, rd)
     rows: list[dict] = []
     wall_before = 0.0
+    start = time.perf_counter()
     if resume:
-        state, rows, wall_before = _resume(rd, cfg, algo, ledger, state)
+        state, rows, wall_before, setup = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
     else:
         rd.events.unlink(missing_ok=True)
         write_json(rd.config, meta_config)
-
-    start = time.perf_counter()
-    last_release: dict[str, dict] = {}
+        setup = setup_releases.initial(cfg, test.num_classes)
+        for stage in setup_releases.stages(cfg, test.num_classes):
+            releaser.offset = setup.offset(cfg.tau)
+            setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
+        state = algo.start_state(x0, setup.eta0)
+    releaser.offset = setup.offset(cfg.tau)
+    prediction_shift = _prediction_shift(cfg, setup)
 
     def wall() -> float:
         return wall_before + time.perf_counter() - start
@@ -165,36 +251,26 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     def checkpoint() -> None:
         arrays, scalars = state.to_arrays()
         rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
-                                    "metrics": rows, "wall_seconds": wall(), "noise": noise})
+                                    "metrics": rows, "wall_seconds": wall(), "noise": noise,
+                                    "setup": setup.to_json(), "server_view": _counter_json(releaser.server_view)})
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
-        metrics = evaluate(model, x, test, cfg)
+        metrics = evaluate(model, x, test, cfg, prediction_shift)
         losses = metrics.pop("losses")
         return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
-                **algo.eval_extras(state, losses), **algo.diagnostics(state), "wall_seconds": wall(),
-                "server_rss_mb": rss_mb()}
+                **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
+                "wall_seconds": wall(), "server_rss_mb": rss_mb()}
 
+    if resume:
+        releaser.server_view = _counter_from_json(rd.load_checkpoint()[1].get("server_view", []))
     if not rows:
         rows.append(eval_row())
         rd.write_metrics(rows)
         progress.on_eval(rows[-1])
     while state.t < cfg.iterations:
         t_before = state.t
-        queries = algo.queries(state)
-        replies = collect_round(cfg, transport, queries, algo.versions(state))
-        released, events = {}, []
-        for q in queries:
-            total = aggregate(q, replies[q.qid])
-            ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
-            z = ledger.noise_multiplier(q.mechanism)
-            rng = site_rng(cfg.reproducible, cfg.seed, "noise", q.iteration, q.mechanism)
-            released[q.mechanism] = noisy_mean(q, total, z, n, rng)
-            event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
-                     "clip": q.clip, "expected_batch": q.rate * n, "noise_std_of_mean": z * q.clip / (q.rate * n)}
-            events.append(event)
-            last_release[q.mechanism] = event
-        rd.append_events(events)
+        released = releaser.run(algo.queries(state), algo.versions(state))
         state = algo.apply(state, released)
         if state.t == t_before:
             continue
@@ -204,34 +280,76 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             rows.append(eval_row())
             rd.write_metrics(rows)
             progress.on_eval(rows[-1])
-            log.debug("iteration %d: epsilon %.3f, test accuracy %.4f, worst-class %.4f", state.t,
-                     rows[-1]["epsilon_spent"], rows[-1]["test_accuracy"], rows[-1]["worst_class_accuracy"])
         if done or (cfg.checkpoint_every and state.t % cfg.checkpoint_every == 0):
             checkpoint()
 
+    releaser.monitor.close()
+    spider = releaser.monitor.summary()
+    if spider["phases_noise_dominated"]:
+        log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
+                    "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise diff-batch",
+                    spider["phases_noise_dominated"], spider["phases"])
     final = rows[-1]
     x, _ = algo.output(state)
     summary = {
         "algorithm": cfg.algorithm, "dataset": cfg.dataset, "seed": cfg.seed, "num_clients": cfg.num_clients,
         "iterations": cfg.iterations, "n": n, "epsilon_target": cfg.epsilon, "epsilon_spent": final["epsilon_spent"],
         "delta": delta, "accountant": cfg.accountant, "noise_multipliers": noise,
+        "noise_allocation": {"rule": cfg.noise_allocation, "relative": {m.name: m.relative_noise for m in plan
+                                                                        if m.fixed_noise is None},
+                             "fixed": {m.name: m.fixed_noise for m in plan if m.fixed_noise is not None},
+                             **({"proxy_variance": proxy_variance(plan, noise, profiles, n)} if profiles else {})},
+        "noise_mode": cfg.noise_mode,
+        "epsilon_against_server": releaser.server_view_epsilon(delta, cfg.accountant),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
+        "eval_split": cfg.eval_split,
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
         **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
         "eval_dro_objective": final["eval_dro_objective"], "psi": cfg.psi, "lambda": cfg.lambda_,
         **{k: v for k, v in final.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_dro_objective")},
+        "logit_adjust_tau": cfg.tau, "posthoc_tau": cfg.posthoc_tau, "class_prior": setup.prior_source,
+        "priors": list(setup.priors) if setup.priors is not None else None, "eta0": setup.eta0,
+        "dro_clip": cfg.dro_clip, "spider_noise": spider,
         "output_iterate": cfg.output_iterate, "wall_seconds": wall(), "transport": transport_name,
         "private": cfg.private, "reproducible": cfg.reproducible,
-        "not_accounted": ([] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"])
-        + ["hyper-parameters chosen by the user are not privacy-accounted"],
+        "not_accounted": _not_accounted(cfg, setup),
     }
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
     return RunResult(params=x, summary=summary, metrics=rows)
 
 
+def _prediction_shift(cfg: Config, setup) -> np.ndarray | None:
+    """-posthoc_tau log(pi) (K,), added to the logits at prediction (post-hoc logit adjustment), or None."""
+    if cfg.posthoc_tau == 0 or setup.priors is None:
+        return None
+    return -cfg.posthoc_tau * np.log(np.asarray(setup.priors))
+
+
+def _not_accounted(cfg: Config, setup) -> list[str]:
+    out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
+    if setup.prior_source == "public":
+        out.append("class priors: declared public by the user (class-prior-values), not released from the data")
+    if cfg.eval_split == "validation":
+        out.append("validation metrics: computed on held-out training records and reported without noise (for "
+                   "tuning only)")
+    if cfg.noise_mode == "distributed":
+        out.append("SecAgg+ quantisation: the rounding of each client's noised sum (bounded and reported per "
+                   "release) is not modelled by the Gaussian accounting")
+    return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
+
+
+def _counter_json(c: Counter) -> list:
+    return [[r, z if math.isfinite(z) else "inf", k] for (r, z), k in c.items()]
+
+
+def _counter_from_json(items: list) -> Counter:
+    return Counter({(float(r), float(z)): int(k) for r, z, k in items})
+
+
 def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
+    """(state, metric rows, wall seconds so far, SetupResult) of the checkpoint in ``rd``."""
     if not rd.checkpoint.exists():
         raise ResumeError(f"no checkpoint at {rd.checkpoint}: nothing to resume")
     arrays, meta = rd.load_checkpoint()
@@ -244,7 +362,8 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
     ledger.load_state(meta["ledger"])
     rd.truncate_events(state.t)
     log.info("resumed %s at iteration %d (epsilon spent %.4f)", rd.path, state.t, ledger.epsilon_spent())
-    return state, list(meta["metrics"]), float(meta["wall_seconds"])
+    setup = setup_releases.SetupResult.from_json(meta.get("setup", {}))
+    return state, list(meta["metrics"]), float(meta["wall_seconds"]), setup
 
 
 def load_run_config(out_dir: str) -> Config:

@@ -27,18 +27,23 @@ def per_group_accuracy(correct: np.ndarray, groups: np.ndarray, num_groups: int)
     return [float(correct[groups == g].mean()) if np.any(groups == g) else float("nan") for g in range(num_groups)]
 
 
-def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, batch: int = 2048) -> dict:
+def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, prediction_shift: np.ndarray | None = None,
+             batch: int = 2048) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives. With group
-    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups)."""
+    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups).
+
+    ``prediction_shift`` (K,), when given, is added to the logits before the argmax (post-hoc logit
+    adjustment, -tau log pi: Menon et al. 2021, eq. (8)); losses stay those of the unshifted logits."""
+    shift = None if prediction_shift is None else torch.as_tensor(prediction_shift).to(model.dtype)
     p = torch.as_tensor(flat).to(model.dtype)
     losses, preds = [], []
     with torch.no_grad():
         for s in range(0, len(test), batch):
             logits = model.logits(p, test.x[s:s + batch].to(model.dtype))
             losses.append(F.cross_entropy(logits, test.y[s:s + batch], reduction="none").double())
-            preds.append(logits.argmax(1))
+            preds.append((logits if shift is None else logits + shift).argmax(1))
     loss = torch.cat(losses).numpy()
     pred = torch.cat(preds).numpy()
     labels = test.y.numpy()

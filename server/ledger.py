@@ -37,12 +37,19 @@ class PrivacyBudgetExceeded(RuntimeError):
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A kind of release: ``rate`` = Poisson sampling rate in (0, 1]; ``relative_noise`` > 0 = its noise
-    multiplier relative to the plan's common scale."""
+    """A kind of release: ``rate`` = Poisson sampling rate in (0, 1] (1: every record, no sampling);
+    ``relative_noise`` > 0 = its noise multiplier relative to the plan's common scale; ``fixed_noise`` > 0,
+    when set, is its noise multiplier itself, untouched by calibration (one-off statistics such as the class
+    histogram)."""
 
     name: str
     rate: float
     relative_noise: float = 1.0
+    fixed_noise: float | None = None
+
+    def noise_at(self, scale: float) -> float:
+        """The noise multiplier of this mechanism at common scale ``scale``."""
+        return self.fixed_noise if self.fixed_noise is not None else self.relative_noise * scale
 
 
 def make_accountant(kind: str) -> dp_accounting.PrivacyAccountant:
@@ -81,7 +88,7 @@ def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
     """(rate, z) -> count for a plan at common noise scale ``scale``."""
     counts: Counter = Counter()
     for mech, n in plan.items():
-        counts[(mech.rate, mech.relative_noise * scale)] += n
+        counts[(mech.rate, mech.noise_at(scale))] += n
     return counts
 
 
@@ -92,8 +99,12 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float, accou
     """
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ValueError(f"calibration needs a finite target epsilon > 0, got {epsilon}")
-    if not any(plan.values()):
+    if not any(n for m, n in plan.items() if m.fixed_noise is None):
         raise ValueError("calibration needs a plan with at least one release")
+    fixed = {m: n for m, n in plan.items() if m.fixed_noise is not None}
+    if fixed and epsilon_of(plan_counts(fixed, 1.0), delta, accountant) >= epsilon:
+        raise ValueError(f"the one-off releases ({', '.join(m.name for m in fixed)}) alone spend epsilon >= "
+                         f"{epsilon:g}: raise their noise multipliers or the target")
 
     def event_at(scale: float) -> dp_accounting.DpEvent:
         return composed_event(plan_counts(plan, max(scale, 1e-9)))
@@ -147,15 +158,24 @@ class Ledger:
             counts[extra_release] += 1
         return counts
 
+    def check(self, mechanism: str, rate: float) -> None:
+        """Raise PrivacyBudgetExceeded if one more release of ``mechanism`` at ``rate`` would take epsilon
+        beyond the target; record nothing. Call before a client is asked to compute (in distributed and local
+        noise modes the clients' noised replies are already releases to the server)."""
+        self._admit(mechanism, rate, record=False)
+
     def charge(self, mechanism: str, rate: float) -> None:
         """Record one release of ``mechanism`` at ``rate``, or raise PrivacyBudgetExceeded (recording
         nothing) if it would take epsilon beyond the target. Call before the noised value is released."""
+        self._admit(mechanism, rate, record=True)
+
+    def _admit(self, mechanism: str, rate: float, record: bool) -> None:
         if not self.private:
-            self.spent[mechanism] += 1
+            self.spent[mechanism] += record
             return
         m = self.by_name.get(mechanism)
         if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]:
-            self.spent[mechanism] += 1
+            self.spent[mechanism] += record
             return
         z = self.noise.get(mechanism, 0.0)
         eps = epsilon_of(self._counts((rate, z)), self.delta, self.accountant)
@@ -163,7 +183,7 @@ class Ledger:
             raise PrivacyBudgetExceeded(
                 f"release '{mechanism}' (rate {rate:.6g}, noise multiplier {z:.6g}) would spend epsilon "
                 f"{eps:.4f} > target {self.epsilon:g} at delta {self.delta:.3g}; refused")
-        self.extra[(rate, z)] += 1
+        self.extra[(rate, z)] += record
 
     def epsilon_spent(self) -> float:
         """Epsilon at the run's delta of every release recorded so far (inf in a non-private run)."""

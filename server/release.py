@@ -1,8 +1,19 @@
-"""From client replies to a released value: validate, sum, add Gaussian noise, normalise (central mode).
+"""From client replies to a released value: validate, sum, add Gaussian noise, normalise.
 
 The sum is taken in partition order so that the result does not depend on the order replies arrive in.
-Noise N(0, (z C)^2) per coordinate is added once to the global sum; the result is divided by the expected
-batch size rate * n, never by the realised count (which is private).
+The released sum carries N(0, (z S)^2) per coordinate, S the query's sensitivity (its clip, or
+clip sqrt(1 + c^2) with the clipped-count coordinate); where that noise is drawn depends on the noise mode
+(config ``noise-mode``):
+
+- central: the server adds all of it to the sum of the clients' clipped sums (a trusted server);
+- distributed: each of the m clients of the release adds N(0, (z S)^2 / m) to its own sum, and the server only
+  sees their (securely aggregated) total; if k of them drop out, the server tops up N(0, k (z S)^2 / m), so
+  the released std is unchanged (against the server itself, only the survivors' shares protect: see
+  ``server_view_multiplier``);
+- local: each client adds the full N(0, (z S)^2) (private even against the server; the released sum then
+  carries m times the variance).
+
+The result is divided by the expected batch size rate * n, never by the realised count (which is private).
 """
 
 from __future__ import annotations
@@ -28,16 +39,18 @@ def check_reply(query: Query, reply: Reply) -> None:
     if reply.qid != query.qid:
         raise ReplyError(f"{where}: answers {reply.qid!r}")
     total = np.asarray(reply.total)
-    if total.shape != (query.dim,):
-        raise ReplyError(f"{where}: shape {total.shape}, expected ({query.dim},)")
+    if total.shape != (query.out_dim,):
+        raise ReplyError(f"{where}: shape {total.shape}, expected ({query.out_dim},)")
     if not np.issubdtype(total.dtype, np.floating):
         raise ReplyError(f"{where}: dtype {total.dtype}, expected a float")
     if not np.all(np.isfinite(total)):
         raise ReplyError(f"{where}: contains NaN or Inf")
+    if query.noise_std > 0:  # noised by the client, which keeps its count: nothing more to check
+        return
     if reply.count < 0:
         raise ReplyError(f"{where}: negative count {reply.count}")
     if math.isfinite(query.clip):
-        bound = query.clip * reply.count * (1 + 1e-6) + 1e-9
+        bound = query.sensitivity * reply.count * (1 + 1e-6) + 1e-9
         norm = float(np.linalg.norm(total))
         if norm > bound:
             raise ReplyError(f"{where}: norm {norm:.6g} exceeds clip {query.clip:.6g} x count {reply.count}")
@@ -56,17 +69,58 @@ def split_valid(query: Query, replies: list[Reply]) -> tuple[list[Reply], dict[i
 
 
 def aggregate(query: Query, replies: list[Reply]) -> np.ndarray:
-    """Sum (D,) float64 of (already validated) replies, in partition order."""
-    total = np.zeros(query.dim, dtype=np.float64)
+    """Sum (query.out_dim,) float64 of (already validated) replies, in partition order."""
+    total = np.zeros(query.out_dim, dtype=np.float64)
     for r in sorted(replies, key=lambda r: r.partition):
         total += np.asarray(r.total, dtype=np.float64)
     return total
 
 
-def noisy_mean(query: Query, total: np.ndarray, noise_multiplier: float, n: int,
-               rng: np.random.Generator) -> np.ndarray:
-    """(total + N(0, (z C)^2 I)) / (rate n). With z = 0 (non-private run) no noise is added."""
+NOISE_MODES = ("central", "distributed", "local")
+
+
+def client_noise_std(mode: str, noise_multiplier: float, sensitivity: float, clients: int) -> float:
+    """Std each client adds to its own sum: 0 (central), z S / sqrt(m) (distributed), z S (local)."""
+    if noise_multiplier <= 0 or not math.isfinite(sensitivity):
+        return 0.0
+    if mode == "central":
+        return 0.0
+    if mode == "distributed":
+        return noise_multiplier * sensitivity / math.sqrt(clients)
+    if mode == "local":
+        return noise_multiplier * sensitivity
+    raise ValueError(f"unknown noise mode {mode!r}; allowed: {', '.join(NOISE_MODES)}")
+
+
+def server_noise_std(mode: str, noise_multiplier: float, sensitivity: float, clients: int, replied: int) -> float:
+    """Std the server adds to the summed replies: z S (central), the top-up z S sqrt((m - k') / m) for the
+    m - k' clients whose share is missing (distributed), 0 (local)."""
+    if noise_multiplier <= 0 or not math.isfinite(sensitivity):
+        return 0.0
+    if mode == "central":
+        return noise_multiplier * sensitivity
+    if mode == "distributed":
+        return noise_multiplier * sensitivity * math.sqrt(max(clients - replied, 0) / clients)
+    if mode == "local":
+        return 0.0
+    raise ValueError(f"unknown noise mode {mode!r}; allowed: {', '.join(NOISE_MODES)}")
+
+
+def server_view_multiplier(mode: str, noise_multiplier: float, clients: int, replied: int) -> float:
+    """The noise multiplier that protects a record against the server itself: 0 in central mode (it sees
+    clipped sums), z sqrt(k' / m) in distributed mode (only the k' surviving shares are unknown to it; its
+    own top-up is not), z in local mode (every reply carries the full noise)."""
+    if mode == "central":
+        return 0.0
+    if mode == "distributed":
+        return noise_multiplier * math.sqrt(replied / clients) if replied else math.inf
+    return noise_multiplier
+
+
+def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(total + N(0, noise_std^2 I)) / (rate n): the released mean. noise_std = 0 adds no noise (non-private
+    runs, local mode, or distributed mode with every share present)."""
     out = np.array(total, dtype=np.float64)
-    if noise_multiplier > 0 and query.clip > 0:
-        out += rng.normal(0.0, noise_multiplier * query.clip, size=out.shape)
+    if noise_std > 0:
+        out += rng.normal(0.0, noise_std, size=out.shape)
     return out / (query.rate * n)

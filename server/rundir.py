@@ -87,11 +87,14 @@ class RunDir:
                 f.write(json.dumps(_jsonable(e), sort_keys=True) + "\n")
 
     def truncate_events(self, upto_iteration: int) -> None:
-        """Keep only events of iterations < upto_iteration (used when resuming from a checkpoint)."""
+        """Keep only the setup events and events of iterations < upto_iteration (used when resuming from a
+        checkpoint)."""
         if not self.events.exists():
             return
-        keep = [line for line in self.events.read_text().splitlines()
-                if line and json.loads(line)["iteration"] < upto_iteration]
+        def kept(event: dict) -> bool:
+            return event["iteration"] < upto_iteration or event.get("phase") == "setup"
+
+        keep = [line for line in self.events.read_text().splitlines() if line and kept(json.loads(line))]
         atomic_write_bytes(self.events, ("\n".join(keep) + ("\n" if keep else "")).encode())
 
     def save_checkpoint(self, arrays: dict[str, np.ndarray], meta: dict) -> None:

@@ -61,16 +61,20 @@ def test_chunked_total_equals_unchunked_and_reference(coefs):
     rows = torch.tensor([0, 2, 3, 5, 6, 7, 9, 10])
     fn = QUANTITIES["dual-x"]
     scalars = [0.1 * (j + 1) for j in range(len(coefs))]
-    full = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows, 0.05, fm.dim, problem, (), chunk_size=1000)
+    full, clipped = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows, 0.05, fm.dim, problem, (),
+                                  chunk_size=1000)
     ref_v = sum(c * fn(fm, f, s, x[rows], y[rows], problem) for c, f, s in zip(coefs, flats, scalars, strict=True))
     ref = clip_rows(ref_v, 0.05).sum(0)
     torch.testing.assert_close(full, ref, rtol=1e-10, atol=1e-12)
+    assert clipped == int((torch.linalg.vector_norm(ref_v, dim=1) > 0.05).sum())
     for chunk in (1, 3, 8):
-        part = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows, 0.05, fm.dim, problem, (), chunk_size=chunk)
+        part, n = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows, 0.05, fm.dim, problem, (), chunk_size=chunk)
         torch.testing.assert_close(part, full, rtol=1e-10, atol=1e-12)
+        assert n == clipped
     assert full.dtype == torch.float64 and float(full.norm()) <= 0.05 * len(rows) + 1e-12
-    empty = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows[:0], 0.05, fm.dim, problem, (), chunk_size=4)
-    assert torch.count_nonzero(empty) == 0
+    empty, none = clipped_total(fm, fn, flats, scalars, coefs, x, y, rows[:0], 0.05, fm.dim, problem, (),
+                                chunk_size=4)
+    assert torch.count_nonzero(empty) == 0 and none == 0
 
 
 def test_resnet20_is_groupnorm_and_deterministic():

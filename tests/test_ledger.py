@@ -241,11 +241,11 @@ def test_noisy_mean_has_declared_std():
     q = make_query(dim=1, clip=clip, rate=rate)
     rng = np.random.default_rng(12345)
     total = np.array([2.0])
-    draws = np.array([noisy_mean(q, total, z, n, rng)[0] for _ in range(20000)])
+    draws = np.array([noisy_mean(q, total, z * q.sensitivity, n, rng)[0] for _ in range(20000)])
     noise = draws * (rate * n) - total[0]
     assert noise.std() == pytest.approx(z * clip, rel=0.03)
     assert abs(noise.mean()) < 5 * z * clip / math.sqrt(20000)
     # seeded: reproducible
-    a = noisy_mean(q, total, z, n, np.random.default_rng(7))
-    b = noisy_mean(q, total, z, n, np.random.default_rng(7))
+    a = noisy_mean(q, total, z * clip, n, np.random.default_rng(7))
+    b = noisy_mean(q, total, z * clip, n, np.random.default_rng(7))
     assert np.array_equal(a, b)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from .base import Algorithm, State
 from .double_spider import DoubleSpider
-from .dp_sgd import DpSgd, DpSgdDual
+from .dp_sgd import DpSgd, DpSgdDual, DpSgdLA
 from .dp_sgda import DpSgda
 from .dp_spiderboost import DpSpiderBoost
 from .recursive_spider import RecursiveSpider
 
 REGISTRY: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (DoubleSpider, RecursiveSpider, DpSgd, DpSgdDual, DpSpiderBoost, DpSgda)}
+    cls.name: cls for cls in (DoubleSpider, RecursiveSpider, DpSgd, DpSgdLA, DpSgdDual, DpSpiderBoost, DpSgda)}
 
 
 def make_algorithm(cfg, n: int, dim: int, num_classes: int = 10) -> Algorithm:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..allocation import NoiseProfile
+from ..diagnostics import planned_phase_ratio
 from ..ledger import Mechanism
 
 
@@ -75,6 +77,41 @@ class Algorithm(ABC):
     @abstractmethod
     def init_state(self, x0: np.ndarray) -> State:
         """Initial state from the initial flat parameters x0 (d,) float64 (public initialisation)."""
+
+    def start_state(self, x0: np.ndarray, eta0: float | None = None) -> State:
+        """``init_state(x0)`` with the dual variable (every eta field: eta, eta_prev, eta_next, eta_out) set to
+        ``eta0`` when given (the private eta initialisation of server/setup.py)."""
+        state = self.init_state(x0)
+        if eta0 is None:
+            return state
+        names = {f.name for f in dataclasses.fields(state)} & {"eta", "eta_prev", "eta_next", "eta_out"}
+        return dataclasses.replace(state, **{k: float(eta0) for k in names})
+
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        """Per mechanism: coordinates, nominal clip and update weight for noise-allocation='variance'
+        (server/allocation.py). Default: every mechanism a d-dim release with clip-x and weight 1."""
+        return {m.name: NoiseProfile(self.dim, self.cfg.clip_x, 1.0) for m in self.mechanisms()}
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        """(refresh, difference) mechanism pairs of a SPIDER-type algorithm (empty otherwise)."""
+        return []
+
+    def regime_warnings(self, noise: dict[str, float]) -> list[str]:
+        """Warnings, before training, for each SPIDER block whose q - 1 differences at the clip cap C_max would
+        add more noise than its refresh (server/diagnostics.py): then the differences can only add noise."""
+        c, out = self.cfg, []
+        if not c.private:
+            return out
+        profiles = self.noise_profiles()
+        for ref, diff in self.spider_pairs():
+            ratio = planned_phase_ratio(c.q, noise[diff], c.clip_diff_max, c.diff_batch, noise[ref],
+                                        profiles[ref].clip, c.refresh_batch)
+            if ratio > 1.0:
+                out.append(f"{diff}: at the clip cap clip-diff-max={c.clip_diff_max:g}, the {c.q - 1} differences of a "
+                           f"phase add {ratio:.2f}x the noise std of '{ref}'; SPIDER then only adds noise unless "
+                           "the step length keeps C_t = clip-diff * Delta_t well below the cap (lower q or "
+                           "clip-diff-max, or raise diff-batch)")
+        return out
 
     @abstractmethod
     def queries(self, state: State) -> list:

@@ -22,6 +22,12 @@ batch size N_k (never the realised count). Output: the last iterate, or (key out
 iterate x_tau with tau drawn uniformly from {0..T-1} by a public coin before training, as in the theory.
 
 Stages: 0 = eta block (needs x_t, x_{t-1}), 1 = x block. Model version id k is the iterate x_k.
+
+dro-clip=weight-after-clip (ALGORITHMS.md 5.4) replaces the per-record x quantity clip_C(w grad l) by
+w~ clip_C(grad l), w~ the weight of the loss clamped at the public bound B: the weights survive clipping. Its
+refresh clips at (and adds noise for) the sensitivity C W_t, W_t = psi*'((B - G eta_{t+1}) / lambda) the public
+bound of w~ at the released eta_{t+1}; its differences keep the clip C_t; the eta block uses the same clamped
+weights.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import math
 import numpy as np
 
 from ...common.messages import Point, Query
+from ...common.psi import make_psi
+from ...common.quantities import dro_weight_bound
 from ...common.rng import site_rng
+from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
 
@@ -87,6 +96,34 @@ class DoubleSpider(Algorithm):
     def versions(self, state: DoubleSpiderState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        c, q = self.cfg, self.cfg.q
+        return {"eta-refresh": NoiseProfile(1, c.clip_eta, q),
+                "eta-diff": NoiseProfile(1, c.clip_diff_max, q / 2),
+                "x-refresh": NoiseProfile(self.dim, c.clip_x, q),
+                "x-diff": NoiseProfile(self.dim, c.clip_diff_max, q / 2)}
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        return [("eta-refresh", "eta-diff"), ("x-refresh", "x-diff")]
+
+    @property
+    def weight_after_clip(self) -> bool:
+        return self.cfg.dro_clip == "weight-after-clip"
+
+    def weight_bound(self, eta: float) -> float:
+        """W = psi*'((B - G eta) / lambda), the public bound of the clamped-loss DRO weight at eta."""
+        c = self.cfg
+        return dro_weight_bound(make_psi(c.psi, c.cvar_alpha), eta, c.lambda_, c.eta_scale, c.loss_bound)
+
+    def _x_query(self, t: int, mechanism: str, points: tuple[Point, ...], rate: float, clip: float) -> Query:
+        c = self.cfg
+        if not self.weight_after_clip:
+            return Query(t, mechanism, "dual-x", points, rate, clip, self.dim)
+        grad_clip = c.clip_x if c.private else math.inf
+        if mechanism == "x-refresh" and c.private:
+            clip = c.clip_x * self.weight_bound(points[0].scalar)
+        return Query(t, mechanism, "dual-x-wac", points, rate, clip, self.dim, extra=(grad_clip,))
+
     def _diff_clip(self, dx: float, deta: float) -> float:
         if not self.cfg.private:
             return math.inf
@@ -105,12 +142,12 @@ class DoubleSpider(Algorithm):
             return [Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
                           self.rate(c.diff_batch), clip, 1)]
         if refresh:
-            return [Query(t, "x-refresh", "dual-x", (Point(t, state.eta_next),), self.rate(c.refresh_batch),
-                          c.clip_x if c.private else inf, self.dim)]
+            return [self._x_query(t, "x-refresh", (Point(t, state.eta_next),), self.rate(c.refresh_batch),
+                                  c.clip_x if c.private else inf)]
         dx = float(np.linalg.norm(state.x - state.x_prev))
         clip = self._diff_clip(dx, state.eta_next - state.eta)
-        return [Query(t, "x-diff", "dual-x", (Point(t, state.eta_next), Point(t - 1, state.eta)),
-                      self.rate(c.diff_batch), clip, self.dim)]
+        return [self._x_query(t, "x-diff", (Point(t, state.eta_next), Point(t - 1, state.eta)),
+                              self.rate(c.diff_batch), clip)]
 
     def apply(self, state: DoubleSpiderState, released: dict[str, np.ndarray]) -> DoubleSpiderState:
         c = self.cfg
@@ -138,4 +175,7 @@ class DoubleSpider(Algorithm):
         return state.x, state.eta
 
     def diagnostics(self, state: DoubleSpiderState) -> dict[str, float]:
-        return {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+        out = {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+        if self.weight_after_clip:
+            out["weight_bound"] = self.weight_bound(state.eta)
+        return out

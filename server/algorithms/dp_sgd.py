@@ -5,6 +5,11 @@
 - ``dp-sgd-dual``: DP-SGD on z = (x, eta) of the psi-divergence dual (section 1): g_t = noisy mean of
   clip_{C_x}([grad_x L ; d_eta L](x_t, eta_t)); x -= gamma_x g^x, eta -= gamma_eta g^eta.
 
+- ``dp-sgd-la``: DP-SGD on the logit-adjusted loss CE(f(x) + tau log pi, y) (Menon et al. 2021, eq. (10)),
+  the standard long-tail baseline: pi is the privately released class histogram of server/setup.py (or
+  declared public priors); the logit offset travels with every query. Prediction is argmax f(x) (plus the
+  optional post-hoc adjustment of config posthoc-tau).
+
 One mechanism 'grad' per iteration.
 """
 
@@ -72,12 +77,24 @@ class DpSgd(Algorithm):
         return {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
 
 
+class DpSgdLA(DpSgd):
+    """DP-SGD on the logit-adjusted loss. Keys: refresh-batch, clip-x, lr-x, logit-adjust-tau ('auto' = 1),
+    class-prior, prior-noise-multiplier (the loss itself is applied by the engine through the query's offset)."""
+
+    name = "dp-sgd-la"
+
+
 class DpSgdDual(DpSgd):
     """DP-SGD on z = (x, eta) of the dual DRO objective. Keys: refresh-batch, clip-x (joint clip), lr-x,
     lr-eta, psi, lambda, eta-scale, eta-init."""
 
     name = "dp-sgd-dual"
     quantity = "dual-joint"
+
+    def noise_profiles(self):
+        from ..allocation import NoiseProfile
+
+        return {"grad": NoiseProfile(self.dim + 1, self.cfg.clip_x, 1.0)}
 
     def _dim(self) -> int:
         return self.dim + 1

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from ...common.messages import Point, Query
+from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm
 from .dp_sgd import SgdState
@@ -44,6 +45,10 @@ class DpSgda(Algorithm):
 
     def plan(self) -> dict[Mechanism, int]:
         return {m: self.cfg.iterations for m in self.mechanisms()}
+
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        return {"class-stats": NoiseProfile(2 * self.num_classes, self.cfg.clip_stats, 1.0),
+                "grad": NoiseProfile(self.dim, self.cfg.clip_x, 1.0)}
 
     def init_state(self, x0: np.ndarray) -> SgdaState:
         x0 = np.asarray(x0, dtype=np.float64)

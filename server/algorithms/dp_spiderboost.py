@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ...common.messages import Point, Query
+from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm
 from .dp_sgd import SgdState
@@ -47,6 +48,14 @@ class DpSpiderBoost(Algorithm):
         x0 = np.asarray(x0, dtype=np.float64)
         e = self.cfg.eta_init
         return SpiderBoostState(x=x0.copy(), x_prev=x0.copy(), eta=e, eta_prev=e, g=np.zeros(len(x0) + 1))
+
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        c = self.cfg
+        return {"refresh": NoiseProfile(self.dim + 1, c.clip_x, c.q),
+                "diff": NoiseProfile(self.dim + 1, c.clip_diff_max, c.q / 2)}
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        return [("refresh", "diff")]
 
     def versions(self, state: SpiderBoostState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}

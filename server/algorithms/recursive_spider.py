@@ -21,6 +21,11 @@ Update (post-processing of released values; simultaneous, both at w_t):
     x_{t+1} = x_t - gamma_x z^x_t,   lambda_{t+1} = clip(lambda_t - gamma_lambda z^lambda_t, lambda0, lambda_max)
 
 The v/u release of one batch is one sampled Gaussian event (joint clip); the s release is its own event.
+
+rs-clip-units=relative (ALGORITHMS.md 5.4): each record's v/u vector is multiplied by k_t = lambda_t / s_{t-1}
+(public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
+and clip-diff-max bound a record's contribution to the update z = lambda v / s itself, whatever the scale of
+g~ (which can be e^{-B/lambda}, far below 1). s_{-1} = 1.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import math
 import numpy as np
 
 from ...common.messages import Point, Query
+from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
 
@@ -76,17 +82,33 @@ class RecursiveSpider(Algorithm):
     def versions(self, state: RecursiveSpiderState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        c = self.cfg
+        storm = 1.0 / (1.0 - (1.0 - c.beta) ** 2) if c.beta > 0 else float(c.iterations)
+        return {"vu-refresh": NoiseProfile(self.dim + 1, c.clip_x, c.q),
+                "vu-diff": NoiseProfile(self.dim + 1, c.clip_diff_max, c.q / 2),
+                "s": NoiseProfile(1, c.clip_s, storm)}
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        return [("vu-refresh", "vu-diff")]
+
+    def vu_scale(self, state: RecursiveSpiderState) -> float:
+        """k_t of the v/u release: lambda_t / s_{t-1} with rs-clip-units=relative, else 1."""
+        return state.lam / state.s if self.cfg.rs_clip_units == "relative" else 1.0
+
     def queries(self, state: RecursiveSpiderState) -> list[Query]:
         c, t = self.cfg, state.t
         inf = math.inf
         now, before = Point(t, state.lam), Point(t - 1, state.lam_prev)
+        k = self.vu_scale(state)
+        extra = (k,) if k != 1.0 else ()
         if t % c.q == 0:
             vu = Query(t, "vu-refresh", "kl-vu", (now,), self.rate(c.refresh_batch), c.clip_x if c.private else inf,
-                       self.dim + 1)
+                       self.dim + 1, extra=extra)
         else:
             dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.lam - state.lam_prev)
             clip = min(c.clip_diff * dist, c.clip_diff_max) if c.private else inf
-            vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1)
+            vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1, extra=extra)
         clip_s = c.clip_s if c.private else inf
         if t == 0:
             s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1)
@@ -97,10 +119,13 @@ class RecursiveSpider(Algorithm):
     def apply(self, state: RecursiveSpiderState, released: dict[str, np.ndarray]) -> RecursiveSpiderState:
         c = self.cfg
         s = dataclasses.replace(state)
+        k = self.vu_scale(state)
         if "vu-refresh" in released:
-            v, cu = released["vu-refresh"][:-1], released["vu-refresh"][-1]
+            vu = released["vu-refresh"] / k
+            v, cu = vu[:-1], vu[-1]
         else:
-            v, cu = state.v + released["vu-diff"][:-1], state.u * c.u_scale + released["vu-diff"][-1]
+            vu = released["vu-diff"] / k
+            v, cu = state.v + vu[:-1], state.u * c.u_scale + vu[-1]
         u = float(cu) / c.u_scale
         s_raw = float(released["s"][0]) + (0.0 if state.t == 0 else (1.0 - c.beta) * state.s)
         s_t = max(s_raw, c.s_min)

@@ -1,0 +1,107 @@
+"""Private statistics released once before training (ALGORITHMS.md 5.3 item 7, 5.4), charged to the run's
+ledger like every other release.
+
+- 'class-histogram' (when a logit adjustment is configured with class-prior='private'): every record
+  contributes its one-hot label e_y (norm 1, so the sensitivity under add/remove is 1); the sum gets
+  N(0, z_h^2 I_K) with z_h = prior-noise-multiplier. The priors are post-processing of the noisy counts:
+  pi_k = max(c_k, 1) / sum_j max(c_j, 1), a valid distribution with no zero (log pi is finite).
+- 'eta-init' (eta-init-source='private-mean-loss', algorithms with a dual variable): every record
+  contributes min(l(x_0; xi), B) in [0, B] at the public initial model x_0 (with the logit offset when the
+  loss is logit-adjusted); the sum gets N(0, (z_e B)^2), z_e = eta-init-noise-multiplier, and
+  eta_0 = (noisy sum / n) / eta-scale. For chi2 this is the optimal eta whenever every DRO weight is positive.
+
+Both are unsampled (rate 1) Gaussian releases with fixed multipliers: calibration leaves them as they are
+and scales the training mechanisms so that the whole run still lands on the target epsilon. They run in two
+stages (the loss of eta-init needs the priors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..common.messages import Point, Query
+from .ledger import Mechanism
+
+HISTOGRAM = "class-histogram"
+ETA_INIT = "eta-init"
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    """What the setup releases gave: ``priors`` (K,) pi (None if no adjustment is configured), where they came
+    from ('private', 'public' or 'none'), and ``eta0`` (None: the configured eta-init is used)."""
+
+    priors: tuple[float, ...] | None = None
+    prior_source: str = "none"
+    eta0: float | None = None
+
+    def offset(self, tau: float) -> tuple[float, ...]:
+        """tau log(pi) (K,), the logit offset of the adjusted loss; () for tau = 0 or no priors."""
+        if tau == 0 or self.priors is None:
+            return ()
+        return tuple(float(tau * math.log(p)) for p in self.priors)
+
+    def to_json(self) -> dict:
+        return {"priors": list(self.priors) if self.priors is not None else None, "prior_source": self.prior_source,
+                "eta0": self.eta0}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SetupResult:
+        priors = d.get("priors")
+        return cls(tuple(priors) if priors is not None else None, d.get("prior_source", "none"), d.get("eta0"))
+
+
+def mechanisms(cfg) -> dict[Mechanism, int]:
+    """The one-off releases this configuration needs (each released once)."""
+    out = {}
+    if cfg.private and cfg.uses_priors and cfg.class_prior == "private":
+        out[Mechanism(HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
+    if cfg.private_eta_init:
+        out[Mechanism(ETA_INIT, 1.0, fixed_noise=cfg.eta_init_noise_multiplier)] = 1
+    return out
+
+
+def stages(cfg, num_classes: int) -> list[list[Query]]:
+    """The setup queries in order: [histogram], then [eta-init]; each at model version 0 (x_0). Without
+    privacy (epsilon=inf) the histogram is still taken (exact counts, nothing to protect)."""
+    out = []
+    if cfg.uses_priors and cfg.class_prior == "private":
+        clip = 1.0 if cfg.private else math.inf
+        out.append([Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
+                          extra=(0.0,) * num_classes)])
+    if cfg.private_eta_init:
+        clip = cfg.loss_bound if cfg.private else math.inf
+        out.append([Query(0, ETA_INIT, "bounded-loss", (Point(0, cfg.eta_init),), 1.0, clip, 1)])
+    return out
+
+
+def priors_from_counts(counts: np.ndarray) -> tuple[float, ...]:
+    """pi from (noisy) class counts: max(c_k, 1) / sum_j max(c_j, 1) (post-processing; every pi_k > 0)."""
+    c = np.maximum(np.asarray(counts, dtype=np.float64), 1.0)
+    return tuple(float(v) for v in c / c.sum())
+
+
+def initial(cfg, num_classes: int) -> SetupResult:
+    """The result before any release: public priors if declared, else none; eta0 not set."""
+    if cfg.uses_priors and cfg.class_prior == "public":
+        values = cfg.public_prior()
+        if len(values) != num_classes:
+            from ..common.config import ConfigError
+
+            raise ConfigError(f"config key 'class-prior-values': got {len(values)} values; allowed: exactly "
+                              f"{num_classes} (one per class of {cfg.dataset})")
+        return SetupResult(priors_from_counts(np.asarray(values) / sum(values) * 1e12), "public")
+    return SetupResult()
+
+
+def absorb(result: SetupResult, released: dict[str, np.ndarray], n: int, cfg) -> SetupResult:
+    """Fold one stage's released means (sums / n) into the result."""
+    if HISTOGRAM in released:
+        result = SetupResult(priors_from_counts(released[HISTOGRAM] * n), "private", result.eta0)
+    if ETA_INIT in released:
+        mean_loss = float(released[ETA_INIT][0])
+        result = SetupResult(result.priors, result.prior_source, mean_loss / cfg.eta_scale)
+    return result

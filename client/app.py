@@ -1,5 +1,8 @@
 """The Flower ClientApp: answers 'query.hello' (partition id and shard size) and 'query.release' (clipped
-sums over the node's Poisson sample) with the same ``ShardWorker`` the single-node transport uses.
+sums over the node's Poisson sample) with the same ``ShardWorker`` the single-node transport uses, and
+'train' messages of Flower's SecAgg+ protocol (noise-mode=distributed): the secaggplus_mod runs the key
+agreement and masking stages itself and calls ``secure_release`` for the node's noised sums, which it
+quantises and masks before they leave the node (server/secagg.py).
 
 Per-node state lives in ``context.state`` (the model versions this node holds). The shard and worker are
 cached per process, keyed by the data configuration and partition: in simulation one process serves many
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from ..common.config import Config
@@ -155,12 +159,11 @@ def hello(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-@app.query("release")
-def release(msg: Message, context: Context) -> Message:
+def _answer(context: Context, queries, incoming):
+    """This node's replies to ``queries``, with the model versions it holds plus ``incoming``; keeps the
+    newest versions in ``context.state``. Raises KeyError if a referenced version is missing."""
     cfg = _config(context)
-    pid = _partition(context, cfg)
-    worker = _worker(cfg, pid)
-    queries, incoming = unpack_queries(msg.content)
+    worker = _worker(cfg, _partition(context, cfg))
     held = context.state["versions"] if "versions" in context.state else ArrayRecord({})
     versions = {int(k): a.numpy() for k, a in held.items()}
     versions.update(incoming)
@@ -170,4 +173,31 @@ def release(msg: Message, context: Context) -> Message:
     replies = [worker.answer(q, versions) for q in queries]
     newest = sorted(versions)[-KEEP_VERSIONS:]
     context.state["versions"] = ArrayRecord({str(k): Array(versions[k]) for k in newest})
-    return Message(pack_replies(replies), reply_to=msg)
+    return replies
+
+
+@app.query("release")
+def release(msg: Message, context: Context) -> Message:
+    queries, incoming = unpack_queries(msg.content)
+    return Message(pack_replies(_answer(context, queries, incoming)), reply_to=msg)
+
+
+@app.train(mods=[secaggplus_mod])
+def secure_release(msg: Message, context: Context) -> Message:
+    """Stage 2 of SecAgg+: the node's noised sums (each query's divided by its sensitivity) as the legacy
+    FitRes parameters, num_examples 1; the mod quantises and masks them, and no other field carries data."""
+    import flwr.compat.common.recorddict_compat as compat
+    import numpy as np
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    from ..server.secagg import decode_config, to_units
+
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    queries, version_ids = decode_config(fitins.config)
+    arrays = parameters_to_ndarrays(fitins.parameters)
+    replies = _answer(context, queries, dict(zip(version_ids, arrays, strict=True)))
+    for r in replies:
+        if not np.all(np.isfinite(r.total)):  # the server cannot inspect a masked reply: refuse here
+            raise ValueError(f"reply to {r.qid} contains NaN or Inf; not sent")
+    res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(to_units(queries, replies)), 1, {})
+    return Message(compat.fitres_to_recorddict(res, keep_input=False), reply_to=msg)

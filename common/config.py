@@ -228,7 +228,7 @@ FIELDS: tuple[Field, ...] = (
           "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6),
     # optimisation
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000),
-    Field("q", "int", 10, "SPIDER phase length: a refresh every q iterations, differences in between.",
+    Field("q", "int", 5, "SPIDER phase length: a refresh every q iterations, differences in between.",
           low=1, high=10_000_000),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
           "refresh-batch / n).", low=1, high=10**9),
@@ -241,12 +241,14 @@ FIELDS: tuple[Field, ...] = (
           low=0.0, low_open=True, high=1e6),
     Field("clip-diff", "float", 4.0, "C_diff: difference clip C_t = min(C_diff * Delta_t, C_max), Delta_t the "
           "distance between the two parameter points.", low=0.0, low_open=True, high=1e6),
-    Field("clip-diff-max", "float", 1.0, "C_max, the largest difference clipping norm.",
+    Field("clip-diff-max", "float", 0.15, "C_max, the largest difference clipping norm (0.15 with q = 5 and "
+          "diff-batch = refresh-batch / 2 keeps a phase's difference noise near its refresh noise: "
+          "server/diagnostics.py).",
           low=0.0, low_open=True, high=1e6),
     Field("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
           "(calibration scales both to meet the target; noise-allocation='ratios').", low=0.0, low_open=True,
           high=1e3),
-    Field("noise-allocation", "str", "ratios", "How the noise multipliers of an algorithm's mechanisms relate: "
+    Field("noise-allocation", "str", "variance", "How the noise multipliers of an algorithm's mechanisms relate: "
           "'ratios' = eta-noise-ratio / s-noise-ratio; 'variance' = the rule of server/allocation.py minimising "
           "the weighted noise variance of the released estimates per unit of privacy (calibration then scales "
           "all of them to the target).", choices=("ratios", "variance")),
@@ -269,6 +271,11 @@ FIELDS: tuple[Field, ...] = (
           "sum of clipped sums: a trusted server), 'distributed' (each client adds its 1/m share of the variance and "
           "the server only sees the SecAgg+ sum on Flower), 'local' (each client adds the full noise: private even "
           "against the server). README: trust models.", choices=("central", "distributed", "local")),
+    Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
+          "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True),
+    Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
+          "(at least 2 shares): lower tolerates more dropouts, higher resists more colluding nodes.", low=0.0,
+          high=1.0, low_open=True),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1),
@@ -356,6 +363,12 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
             raise ConfigError(f"config key 'sampling': got {self.sampling!r}; allowed with a finite epsilon: "
                               "'poisson' only (fixed-size batches break the Poisson amplification the ledger "
                               "assumes); use epsilon=inf for a non-private run")
+        if self.noise_mode != "central" and not self.private:
+            raise ConfigError(f"config key 'noise-mode': got {self.noise_mode!r}; allowed with epsilon=inf: "
+                              "'central' only (a non-private run adds no noise anywhere)")
+        if self.noise_mode == "distributed" and self.num_clients < 2:
+            raise ConfigError(f"config key 'noise-mode': got 'distributed'; allowed only with num-clients >= 2 "
+                              f"(got {self.num_clients}): one client's share is the whole noise")
         if self.min_clients > self.num_clients:
             raise ConfigError(f"config key 'min-clients': got {self.min_clients}; allowed: at most num-clients "
                               f"({self.num_clients})")

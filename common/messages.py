@@ -88,9 +88,11 @@ class Query:
 @dataclass(frozen=True)
 class Reply:
     """A client's answer to a query: ``total`` (D,) float64 sum of clipped vectors over ``count`` sampled
-    records of partition ``partition``."""
+    records of partition ``partition`` (count -1: not disclosed, when the client noised its sum). A securely
+    aggregated reply (SecAgg+) has partition -1 and sums the replies of ``clients`` clients."""
 
     qid: str
     partition: int
     total: np.ndarray
     count: int
+    clients: int = 1

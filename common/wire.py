@@ -16,15 +16,29 @@ HELLO = "query.hello"
 RELEASE = "query.release"
 
 
-def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> RecordDict:
-    rd = RecordDict()
-    for i, q in enumerate(queries):
-        rd[f"q{i}"] = ConfigRecord({
-            "iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
+def query_to_dict(q: Query) -> dict:
+    """A query as a flat mapping of scalars and lists (a ConfigRecord's or JSON's content)."""
+    return {"iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
             "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "coefs": [float(c) for c in q.coefs],
             "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
             "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
-            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std)})
+            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std)}
+
+
+def query_from_dict(c) -> Query:
+    """Inverse of ``query_to_dict`` (missing optional fields take their defaults)."""
+    points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"], strict=False))
+    return Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points, float(c["rate"]),
+                 float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
+                 tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
+                 tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
+                 float(c.get("noise-std", 0.0)))
+
+
+def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> RecordDict:
+    rd = RecordDict()
+    for i, q in enumerate(queries):
+        rd[f"q{i}"] = ConfigRecord(query_to_dict(q))
     rd["versions"] = ArrayRecord({str(k): Array(np.ascontiguousarray(v)) for k, v in versions.items()})
     return rd
 
@@ -33,13 +47,7 @@ def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
     queries = []
     i = 0
     while f"q{i}" in rd:
-        c = rd[f"q{i}"]
-        points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"], strict=False))
-        queries.append(Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points,
-                             float(c["rate"]), float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
-                             tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
-                             tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
-                             float(c.get("noise-std", 0.0))))
+        queries.append(query_from_dict(rd[f"q{i}"]))
         i += 1
     versions = {int(k): a.numpy() for k, a in rd["versions"].items()} if "versions" in rd else {}
     return queries, versions

@@ -4,6 +4,7 @@
     dpdro train --resume RUN_DIR                              continue a stopped run with its saved config
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
+    dpdro tune --dataset D [--epsilon E] [--trials N]         random search per method on a validation split
     dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
     dpdro certs create --out DIR [--nodes N | --node NAME ...] [--host H ...] [--force]   CA, SuperLink TLS
                                                               certificate, SuperNode authentication keys
@@ -109,7 +110,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from dpdro.simulations.sweep import run_sweep, write_report
 
-    counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset)
+    counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset,
+                       jobs=args.jobs)
     print(f"sweep {args.profile}: {counts}")
     print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
     return 0
@@ -119,6 +121,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     from dpdro.simulations.sweep import write_report
 
     print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dpdro.simulations.tune import run_tune, tuning_report, write_tuned
+
+    root, configs = Path(args.root), Path(args.configs)
+    for ds in args.dataset:
+        if args.report:
+            winners = write_tuned(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed)
+        else:
+            winners = run_tune(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed, args.jobs)
+        for method, w in winners.items():
+            print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']}, validation worst {w['val_worst']:.4f}, "
+                  f"validation accuracy {w['val_accuracy']:.4f}")
+    entries = sorted({(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/*")
+                      if p.parent.parent.name in args.all_datasets}) if root.exists() else []
+    print(f"report: {tuning_report(entries, args.methods, args.trials, root, Path(args.docs), args.seed)}")
     return 0
 
 
@@ -214,12 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("--profile", default="quick", choices=("quick", "paper", "smoke"))
+        s.add_argument("--profile", default="quick", choices=("quick", "tuned", "paper", "smoke"))
         s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
         s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
         if name == "sweep":
             s.add_argument("--transport", default="local", choices=("local", "flower"))
             s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")
+            s.add_argument("--jobs", type=int, default=1, help="runs in parallel (local transport)")
+    from dpdro.common.config import DATASETS
+    from dpdro.simulations.tune import METHODS
+
+    s = sub.add_parser("tune", help="same-sized random search per method on a validation split; writes tuned "
+                                    "configs and docs/TUNING.md (not privacy-accounted)")
+    s.add_argument("--dataset", nargs="+", default=["mnist-st"], choices=DATASETS)
+    s.add_argument("--epsilon", type=float, default=4.0)
+    s.add_argument("--trials", type=int, default=8, help="trials per method (the same for every method)")
+    s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    s.add_argument("--seed", type=int, default=0, help="seed of the search (not of the runs)")
+    s.add_argument("--jobs", type=int, default=2, help="trials in parallel")
+    s.add_argument("--root", default="runs/tune", help="folder of the trials' run directories")
+    s.add_argument("--configs", default="simulations/configs", help="where tuned/*.toml and *-best.toml go")
+    s.add_argument("--docs", default="docs", help="where TUNING.md goes")
+    s.add_argument("--report", action="store_true", help="run nothing: write configs and TUNING.md from finished "
+                                                         "trials")
+    s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="membership-inference audit (loss threshold, LiRA); writes docs/AUDIT.md")
     s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])
     s.add_argument("--shadows", type=int, default=4)
@@ -278,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     from dpdro.common.models import ModelError
 
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
-                "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit}
+                "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune}
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy

@@ -38,7 +38,9 @@ def main(grid: Grid, context: Context) -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = Config.from_mapping(dict(context.run_config))
     test = load_from_config(cfg, train=False)
-    transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout)
+    transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,
+                                secure=cfg.noise_mode == "distributed", num_shares=cfg.secagg_num_shares,
+                                threshold=cfg.secagg_threshold)
     result = train(cfg, transport, test, resume=cfg.resume, progress=Progress(on_eval=_print_eval),
                    transport_name="flower")
     s = result.summary

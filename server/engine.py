@@ -72,14 +72,17 @@ class RunResult:
 
 
 def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
-                  versions: dict[int, np.ndarray]) -> dict[str, list[Reply]]:
+                  versions: dict[int, np.ndarray],
+                  on_discard: Callable[[Query, list[Reply]], None] | None = None) -> dict[str, list[Reply]]:
     """Run ``queries`` on every client and return the valid replies, applying the failure policy.
 
     A client fails when it raises, times out or sends a malformed reply (``release.check_reply``); all its
     replies of the round are then discarded and it is logged by partition. Policy (config
     ``on-client-failure``): 'fail' raises ClientFailure at once; 'retry' repeats the round (attempt k) up to
     ``max-retries`` times; 'drop' goes on without the failed clients if at least ``min-clients`` remain,
-    else retries like 'retry'. Nothing is released or charged for a discarded attempt.
+    else retries like 'retry'. Nothing is released or charged for a discarded attempt; ``on_discard(query,
+    replies)`` is called with the valid replies of every discarded attempt (in distributed and local noise
+    modes the server has seen those noised values, which counts against the server).
     """
     for attempt in range(cfg.max_retries + 1):
         tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
@@ -97,6 +100,10 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
         if cfg.on_client_failure == "drop" and remaining >= cfg.min_clients:
             log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
             return valid
+        if on_discard is not None:
+            for q in tries:
+                if valid[q.qid]:
+                    on_discard(q, valid[q.qid])
         if cfg.on_client_failure == "fail":
             break
     summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
@@ -147,23 +154,28 @@ class Releaser:
         queries = [self.decorate(q, diagnostics=not setup) for q in raw]
         for q in queries:  # refuse before anything leaves a client if the plan would be overspent
             self.ledger.check(q.mechanism, q.rate)
-        replies = collect_round(self.cfg, self.transport, queries, versions)
+        replies = collect_round(self.cfg, self.transport, queries, versions, self._seen_by_server)
         m = self.transport.num_clients
         released, events = {}, []
         for q in queries:
             got = replies[q.qid]
-            total = aggregate(q, got)
+            total, clients = aggregate(q, got), sum(r.clients for r in got)
             self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
             z = self.ledger.noise_multiplier(q.mechanism)
             mode = self.cfg.noise_mode
-            self.server_view[(q.rate, server_view_multiplier(mode, z, m, len(got)))] += 1
+            self._seen_by_server(q, got)
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
-            std = server_noise_std(mode, z, q.sensitivity, m, len(got))
+            std = server_noise_std(mode, z, q.sensitivity, m, clients)
             mean = noisy_mean(q, total, std, self.n, rng)
             expected = q.rate * self.n
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
-                     "clip": q.clip, "expected_batch": expected, "clients": len(got), "noise_mode": mode,
+                     "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
                      "noise_std_of_mean": z * q.sensitivity / expected}
+            if mode != "central" and z > 0:
+                event["server_topup_std"] = std
+                quantisation = getattr(self.transport, "quantisation_bound", None)
+                if quantisation is not None and clients and got[0].partition < 0:
+                    event["quantisation_bound"] = quantisation(q, clients)
             if setup:
                 event["phase"] = "setup"
             if q.count_scale > 0:
@@ -175,6 +187,15 @@ class Releaser:
             self.last[q.mechanism] = event
         self.rd.append_events(events)
         return released
+
+    def _seen_by_server(self, q: Query, replies: list[Reply]) -> None:
+        """Count a set of replies the server has seen (released or discarded) against the server."""
+        if not replies:
+            return
+        z = self.ledger.noise_multiplier(q.mechanism) if self.cfg.private else 0.0
+        clients = sum(r.clients for r in replies)
+        self.server_view[(q.rate, server_view_multiplier(self.cfg.noise_mode, z, self.transport.num_clients,
+                                                         clients))] += 1
 
     def server_view_epsilon(self, delta: float, accountant: str) -> float:
         """Epsilon against the server itself of every release so far (inf in central mode)."""

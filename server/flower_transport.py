@@ -6,6 +6,9 @@
   that lost them (restart) answers 'missing model versions' and gets every version again.
 - Messages are pushed and pulled with a short poll interval and a deadline (``round-timeout``), not
   ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is unbounded.
+- With ``secure=True`` (noise-mode=distributed) a round whose queries carry client noise goes through SecAgg+
+  (server/secagg.py): the server receives only the sum of the nodes' noised sums, as one reply per query
+  (partition -1) counting the nodes in it; nodes that dropped out are reported as failed partitions.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from ..common.messages import Query
+from ..common.messages import Query, Reply
 from ..common.wire import HELLO, RELEASE, pack_queries, unpack_replies
+from .secagg import SecAggRange, SecureRound, encode_config
 from .transport import ClientFailure, RoundResult
 
 log = logging.getLogger(__name__)
@@ -27,11 +31,18 @@ POLL_SECONDS = 0.01
 
 
 class FlowerTransport:
-    """Args: grid (Flower Grid), num_clients (nodes expected), timeout (seconds per round)."""
+    """Args: grid (Flower Grid), num_clients (nodes expected), timeout (seconds per round); for secure
+    aggregation also ``context`` (the ServerApp's Context), ``secure`` and the SecAgg+ share fractions."""
 
-    def __init__(self, grid: Grid, num_clients: int, timeout: float) -> None:
+    def __init__(self, grid: Grid, num_clients: int, timeout: float, *, context=None, secure: bool = False,
+                 num_shares: float = 1.0, threshold: float = 0.5) -> None:
         self.grid = grid
         self.timeout = timeout
+        self.secure = secure
+        if secure and context is None:
+            raise ValueError("secure aggregation needs the ServerApp's context")
+        self.secure_round = SecureRound(grid, context, timeout, num_shares, threshold, None) if secure else None
+        self.ranges: SecAggRange | None = None
         nodes = self._wait_for_nodes(num_clients)
         replies, errors = self._exchange({nid: RecordDict() for nid in nodes}, HELLO)
         if errors:
@@ -97,7 +108,15 @@ class FlowerTransport:
     def num_clients(self) -> int:
         return len(self.node_of)
 
+    def quantisation_bound(self, query: Query, clients: int) -> float | None:
+        """Largest quantisation error per coordinate of the last secure sum of ``clients`` nodes (None if the
+        last round was not secure)."""
+        return self.ranges.bound(clients, query.sensitivity) if self.ranges is not None else None
+
     def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+        if self.secure and any(q.noise_std > 0 for q in queries):
+            return self._run_secure(list(queries), versions)
+        self.ranges = None
         needed = {v for q in queries for v in q.versions}
         contents = {nid: pack_queries(list(queries), {v: versions[v] for v in sorted(needed - self.held[nid])})
                     for nid in self.node_of.values()}
@@ -120,6 +139,26 @@ class FlowerTransport:
                 if r.qid in result.replies:
                     result.replies[r.qid].append(r)
         return result
+
+    def _run_secure(self, queries: list[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+        needed = {v for q in queries for v in q.versions}
+        contents = {}
+        for nid in self.node_of.values():
+            send = sorted(needed - self.held[nid])
+            contents[nid] = ([np.ascontiguousarray(versions[v]) for v in send], encode_config(queries, send))
+        self.ranges = SecAggRange.for_round(queries, max(self.sizes.values()), self.num_clients)
+        self.secure_round.ranges = self.ranges
+        partition_of = {nid: pid for pid, nid in self.node_of.items()}
+        try:
+            sums, k, dropped = self.secure_round.run(queries, contents)
+        except RuntimeError as e:
+            for nid in self.held:
+                self.held[nid] = set()
+            return RoundResult({q.qid: [] for q in queries}, {pid: str(e) for pid in self.node_of})
+        for nid in contents:
+            self.held[nid] = set() if nid in dropped else (self.held[nid] | needed) & set(versions)
+        replies = {q.qid: [Reply(q.qid, -1, sums[q.qid], -1, k)] for q in queries}
+        return RoundResult(replies, {partition_of[nid]: f"node {nid} dropped out of SecAgg+" for nid in dropped})
 
     def close(self) -> None:
         pass

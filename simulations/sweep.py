@@ -34,6 +34,15 @@ class Profile:
     base: dict = field(default_factory=dict)
     per_dataset: dict = field(default_factory=dict)
     per_algorithm: dict = field(default_factory=dict)
+    tuned_at: float | None = None  # runs take their keys from the tuned config files of this epsilon
+
+
+TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
+
+
+def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path = TUNED_CONFIGS) -> Path:
+    """Config file written by ``dpdro tune`` for (dataset, epsilon, algorithm)."""
+    return folder / f"{dataset}-eps{epsilon:g}-{algorithm}.toml"
 
 
 _COMMON = {"num-clients": 4, "threads": 1, "reproducible": False, "checkpoint-every": 0}
@@ -52,6 +61,13 @@ PROFILES = {
         base={**_COMMON, "iterations": 2, "q": 2, "refresh-batch": 64, "diff-batch": 32, "s-batch": 64,
               "eval-every": 2, "max-train-records": 1000, "max-test-records": 200},
     ),
+    # Every method with its hyper-parameters tuned at epsilon 4 (`dpdro tune`), at epsilon 1, 4 and 8, 3 seeds,
+    # evaluated on the test split: the tables of docs/RESULTS.md.
+    "tuned": Profile(
+        "tuned", ("mnist-st", "fashion-mnist-st", "celeba", "cifar10-st"),
+        ("dp-sgd", "dp-sgd-la", "dp-double-spider", "recursive-spider", "dp-sgda", "dp-sgd-dual", "dp-spiderboost"),
+        (1.0, 4.0, 8.0), (0, 1, 2), base={"eval-every": 100}, tuned_at=4.0,
+    ),
     # Meant for a GPU: the protocol of ALGORITHMS.md 6.3 at full length.
     "paper": Profile(
         "paper", ("mnist-st", "fashion-mnist-st", "cifar10-st", "celeba"),
@@ -67,57 +83,80 @@ def run_dir(root: Path, profile: str, dataset: str, algorithm: str, eps: float, 
     return root / profile / dataset / algorithm / f"eps{eps:g}" / f"seed{seed}"
 
 
-def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None) -> list[Config]:
-    """Validated configs of every run of the profile (ConfigError before any work if one is bad)."""
+def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
+              tuned_folder: Path = TUNED_CONFIGS) -> list[Config]:
+    """Validated configs of every run of the profile (ConfigError before any work if one is bad). A tuned
+    profile skips, with a warning, every (dataset, algorithm) that has no tuned config file yet."""
+    import tomllib
+
     out = []
     for ds in profile.datasets:
         if datasets and ds not in datasets:
             continue
         for algo in profile.algorithms:
+            tuned = {}
+            if profile.tuned_at is not None:
+                path = tuned_config_path(ds, profile.tuned_at, algo, tuned_folder)
+                if not path.exists():
+                    log.warning("no tuned config %s (run `dpdro tune --dataset %s`): its rows stay empty", path, ds)
+                    continue
+                with open(path, "rb") as f:
+                    tuned = tomllib.load(f)
             for eps in profile.epsilons:
                 for seed in profile.seeds:
-                    values = {**profile.base, **profile.per_dataset.get(ds, {}), **profile.per_algorithm.get(algo, {}),
+                    values = {**tuned, **profile.base, **profile.per_dataset.get(ds, {}),
+                              **profile.per_algorithm.get(algo, {}),
                               "dataset": ds, "algorithm": algo, "epsilon": eps, "seed": seed,
                               "out-dir": str(run_dir(root, profile.name, ds, algo, eps, seed))}
                     out.append(Config.from_mapping(values))
     return out
 
 
-def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets: list[str] | None = None) -> dict:
-    """Run every unfinished run of the profile; returns counts {'done', 'skipped', 'missing-data'}."""
-    from tqdm import tqdm
-
-    from ..common.data import load_from_config
-    from ..server.engine import train
+def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets: list[str] | None = None,
+              jobs: int = 1) -> dict:
+    """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
+    returns counts {'done', 'skipped', 'missing-data'}."""
     from ..server.simulate import run_simulation
-    from ..server.transport import LocalTransport
+    from .runner import run_many
 
     cfgs = plan_runs(PROFILES[profile_name], root, datasets)
     counts = {"done": 0, "skipped": 0, "missing-data": 0}
-    missing: set[str] = set()
-    cache: dict[str, tuple] = {}
-    for cfg in tqdm(cfgs, desc=f"sweep {profile_name}", unit="run"):
+    todo = []
+    for cfg in cfgs:
         if (Path(cfg.out_dir) / "summary.json").exists():
             counts["skipped"] += 1
-            continue
-        if cfg.dataset in missing:
-            counts["missing-data"] += 1
-            continue
-        try:
-            if transport == "flower":
+        else:
+            todo.append(cfg)
+    if transport == "flower":
+        for cfg in todo:
+            try:
                 run_simulation(cfg, stream=False)
-            else:
-                key = f"{cfg.dataset}:{cfg.max_train_records}:{cfg.max_test_records}"
-                if key not in cache:
-                    cache = {key: (load_from_config(cfg, True), load_from_config(cfg, False))}
-                train_set, test_set = cache[key]
-                train(cfg, LocalTransport(cfg, train_set), test_set)
-            counts["done"] += 1
-        except DataError as e:  # e.g. CIFAR-10 not in ../shared/datasets yet: say so, never fake the row
-            log.warning("%s: data not available, its rows stay empty: %s", cfg.dataset, e)
-            missing.add(cfg.dataset)
-            counts["missing-data"] += 1
+                counts["done"] += 1
+            except DataError as e:  # e.g. CIFAR-10 not in ../shared/datasets yet: say so, never fake the row
+                log.warning("%s: data not available, its rows stay empty: %s", cfg.dataset, e)
+                counts["missing-data"] += 1
+        return counts
+    missing = {}
+    for cfg in todo:  # find missing data sets before starting anything
+        if cfg.dataset not in missing:
+            missing[cfg.dataset] = _data_missing(cfg)
+    runnable = [c for c in todo if not missing[c.dataset]]
+    for ds, why in missing.items():
+        if why:
+            log.warning("%s: data not available, its rows stay empty: %s", ds, why)
+    counts["missing-data"] = len(todo) - len(runnable)
+    counts["done"] = len(run_many(runnable, jobs, f"sweep {profile_name}"))
     return counts
+
+
+def _data_missing(cfg: Config) -> str | None:
+    from ..common.data import load_from_config
+
+    try:
+        load_from_config(cfg.with_updates({"max-train-records": 0}), False)
+    except DataError as e:
+        return str(e)
+    return None
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -1,0 +1,43 @@
+"""Run many single-node training runs, ``jobs`` processes at a time (sweeps and tuning).
+
+Each run is a whole ``server.engine.train`` in a worker process (one torch thread each is the fast setting
+on a small machine: set ``threads=1`` in the configs); a run whose data is missing is reported, not faked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+
+from ..common.config import Config
+
+
+def run_one(values: dict) -> tuple[str, str | None]:
+    """Train the configuration ``values`` (kebab-case keys) in this process; returns (out-dir, None), or
+    (out-dir, message) when its data is not available (DataError)."""
+    from ..common.data import DataError, load_from_config
+    from ..server.engine import train
+    from ..server.transport import LocalTransport
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    cfg = Config.from_mapping(values)
+    try:
+        train_set, eval_set = load_from_config(cfg, True), load_from_config(cfg, False)
+    except DataError as e:
+        return cfg.out_dir, str(e)
+    train(cfg, LocalTransport(cfg, train_set), eval_set)
+    return cfg.out_dir, None
+
+
+def run_many(configs: Iterable[Config], jobs: int, desc: str) -> list[tuple[str, str | None]]:
+    """Run every config, ``jobs`` at a time (1: in this process); returns run_one's results in order."""
+    from tqdm import tqdm
+
+    plans = [c.to_dict() for c in configs]
+    if not plans:
+        return []
+    if jobs <= 1:
+        return [run_one(p) for p in tqdm(plans, desc=desc, unit="run")]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(tqdm(pool.map(run_one, plans), total=len(plans), desc=desc, unit="run"))

@@ -5,6 +5,7 @@
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
     dpdro tune --dataset D [--epsilon E] [--trials N]         random search per method on a validation split
+    dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
     dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
     dpdro certs create --out DIR [--nodes N | --node NAME ...] [--host H ...] [--force]   CA, SuperLink TLS
                                                               certificate, SuperNode authentication keys
@@ -142,6 +143,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_noise_modes(args: argparse.Namespace) -> int:
+    from dpdro.simulations.noise_modes import run_noise_modes
+
+    path = run_noise_modes(args.iterations, Path(args.root), Path(args.docs), Path(args.app))
+    print(path.read_text())
+    return 0
+
+
 def cmd_equivalence(args: argparse.Namespace) -> int:
     from dpdro.simulations.equivalence import DATASETS, run_equivalence
 
@@ -266,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--algorithm", default="dp-sgd")
     s.add_argument("--root", default="runs/audit")
     s.add_argument("--docs", default="docs")
+    s = sub.add_parser("noise-modes", help="central, distributed (SecAgg+) and local noise on MNIST-ST through "
+                                           "Flower; writes docs/NOISE_MODES.md")
+    s.add_argument("--iterations", type=int, default=200)
+    s.add_argument("--root", default="runs/noise-modes")
+    s.add_argument("--docs", default="docs")
+    s.add_argument("--app", default=".", help="Flower app directory (the project root)")
     s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")
     s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
     s.add_argument("--root", default="runs/equivalence")
@@ -316,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from dpdro.common.models import ModelError
 
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
-                "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune}
+                "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
+                "noise-modes": cmd_noise_modes}
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy

@@ -320,7 +320,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                                                                         if m.fixed_noise is None},
                              "fixed": {m.name: m.fixed_noise for m in plan if m.fixed_noise is not None},
                              **({"proxy_variance": proxy_variance(plan, noise, profiles, n)} if profiles else {})},
-        "noise_mode": cfg.noise_mode,
+        "noise_mode": cfg.noise_mode, "trust_model": _trust_statement(cfg, transport_name),
         "epsilon_against_server": releaser.server_view_epsilon(delta, cfg.accountant),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
         "eval_split": cfg.eval_split,
@@ -346,6 +346,21 @@ def _prediction_shift(cfg: Config, setup) -> np.ndarray | None:
     if cfg.posthoc_tau == 0 or setup.priors is None:
         return None
     return -cfg.posthoc_tau * np.log(np.asarray(setup.priors))
+
+
+def _trust_statement(cfg: Config, transport_name: str) -> str:
+    """Who the epsilon of this run holds against (README: noise modes)."""
+    if not cfg.private:
+        return "not private: no noise anywhere"
+    if cfg.noise_mode == "central":
+        return ("central: the server saw every client's clipped sum without noise (trusted); epsilon holds for "
+                "everything it released")
+    if cfg.noise_mode == "local":
+        return "local: every client noised its own sum; epsilon holds against everyone, the server included"
+    where = ("the server saw only SecAgg+ sums of the clients' noised sums" if transport_name == "flower" else
+             "in-process run: noise placed as in distributed mode, but no secure aggregation took place")
+    return (f"distributed: {where}; epsilon holds for everything released, epsilon_against_server against the "
+            "server itself (weaker where shares were missing and the server topped them up)")
 
 
 def _not_accounted(cfg: Config, setup) -> list[str]:

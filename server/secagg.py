@@ -133,7 +133,13 @@ class SecureRound:
                                       clipping_range=self.ranges.clipping_range,
                                       quantization_range=self.ranges.quantization_range, modulus_range=MODULUS,
                                       timeout=self.timeout)
-        workflow(self.grid, legacy)
+        flwr_log = logging.getLogger("flwr")
+        level = flwr_log.level
+        flwr_log.setLevel(logging.WARNING)  # the workflow logs four stages at INFO/DEBUG for every release
+        try:
+            workflow(self.grid, legacy)
+        finally:
+            flwr_log.setLevel(level)
         if "mean" not in captured:
             raise RuntimeError("SecAgg+ halted (too few nodes answered for its reconstruction threshold); "
                                "the server learned nothing of this round")

@@ -202,7 +202,7 @@ def test_lambda_stays_in_bounds_and_s_above_floor(tmp_path_factory, releases):
 def test_recursive_spider_ledger_events_match_independent_composition(tmp_path):
     data = tiny_data()
     cfg = full_batch_cfg(tmp_path, algorithm="recursive-spider", epsilon=3.0, refresh_batch=12, diff_batch=6,
-                         s_batch=8, iterations=5, q=2, delta=1e-5)
+                         s_batch=8, iterations=5, q=2, delta=1e-5, noise_allocation="ratios")
     result = run(cfg, data)
     events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
     assert [(e["iteration"], e["mechanism"]) for e in events] == [

@@ -125,6 +125,40 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     assert len(shards) >= 2
 
 
+@pytest.mark.flower
+@pytest.mark.data
+def test_loopback_deployment_runs_distributed_noise_through_secagg(tmp_path):
+    """noise-mode=distributed on the TLS + authenticated deployment: each SuperNode adds its noise share and
+    the SuperLink's ServerApp only receives SecAgg+ sums (quantisation bound reported per release)."""
+    from dpdro.common.config import Config
+    from dpdro.common.data import resolve_cache_dir, resolve_data_root
+    from dpdro.server.deploy import LoopbackDeployment, override_string
+    from dpdro.server.simulate import _toml_value
+
+    out = tmp_path / "run"
+    data_root = str(resolve_data_root("auto").resolve())
+    cache_dir = str(resolve_cache_dir("auto").resolve())
+    cfg = Config.from_mapping({"algorithm": "dp-sgd", "noise-mode": "distributed", "num-clients": 2,
+                               "iterations": 2, "max-train-records": 2000, "max-test-records": 500, "threads": 1,
+                               "eval-every": 2, "epsilon": 4.0, "out-dir": str(out), "round-timeout": 300.0,
+                               "data-root": data_root, "cache-dir": cache_dir})
+    node_cfg = {"data-root": data_root, "cache-dir": cache_dir}
+    dep = LoopbackDeployment(tmp_path / "deploy", 2, [node_cfg, node_cfg])
+    try:
+        dep.start()
+        outcome = dep.run(ROOT, override_string(cfg, _toml_value), timeout=600)
+        assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
+    finally:
+        assert dep.stop() == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["noise_mode"] == "distributed" and summary["transport"] == "flower"
+    assert summary["releases"] == {"grad": 2} and 3.9 <= summary["epsilon_spent"] <= 4.0 + 1e-9
+    assert summary["epsilon_against_server"] == pytest.approx(summary["epsilon_spent"], rel=1e-9)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["clients"] for e in events] == [2, 2]
+    assert all(0 < e["quantisation_bound"] < 1e-3 * e["noise_multiplier"] * e["clip"] for e in events)
+
+
 # ----- static checks of the Docker image and compose file --------------------------------------------------
 def _compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())

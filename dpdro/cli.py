@@ -6,6 +6,7 @@
     dpdro keys                                                every configuration key with default and help
     dpdro tune --dataset D [--epsilon E] [--trials N]         random search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
+    dpdro hazards [--seeds ...]                               one-factor changes of the tuned DP-DRO configs
     dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
     dpdro certs create --out DIR [--nodes N | --node NAME ...] [--host H ...] [--force]   CA, SuperLink TLS
                                                               certificate, SuperNode authentication keys
@@ -114,14 +115,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset,
                        jobs=args.jobs)
     print(f"sweep {args.profile}: {counts}")
-    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs))}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dpdro.simulations.sweep import write_report
 
-    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs))}")
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs))}")
     return 0
 
 
@@ -140,6 +141,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     entries = sorted({(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/*")
                       if p.parent.parent.name in args.all_datasets}) if root.exists() else []
     print(f"report: {tuning_report(entries, args.methods, args.trials, root, Path(args.docs), args.seed)}")
+    return 0
+
+
+def cmd_hazards(args: argparse.Namespace) -> int:
+    from dpdro.simulations.hazards import run_hazards, write_hazards
+
+    seeds = [int(x) for x in args.seeds]
+    path = (write_hazards(seeds, Path(args.root), Path(args.docs)) if args.report else
+            run_hazards(seeds, Path(args.root), Path(args.docs), args.jobs))
+    print(path.read_text())
     return 0
 
 
@@ -246,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--profile", default="quick", choices=("quick", "tuned", "paper", "smoke"))
         s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
         s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
+        s.add_argument("--configs", default="simulations/configs", help="where the tuned configs are (tuned profile)")
         if name == "sweep":
             s.add_argument("--transport", default="local", choices=("local", "flower"))
             s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")
@@ -275,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--algorithm", default="dp-sgd")
     s.add_argument("--root", default="runs/audit")
     s.add_argument("--docs", default="docs")
+    s = sub.add_parser("hazards", help="one-factor changes of the tuned DP-DRO configs on MNIST-ST (ALGORITHMS.md "
+                                       "5.4); writes docs/HAZARDS.md")
+    s.add_argument("--seeds", nargs="+", default=["0", "1", "2"])
+    s.add_argument("--jobs", type=int, default=2)
+    s.add_argument("--root", default="runs/hazards")
+    s.add_argument("--docs", default="docs")
+    s.add_argument("--report", action="store_true", help="run nothing: write HAZARDS.md from finished runs")
     s = sub.add_parser("noise-modes", help="central, distributed (SecAgg+) and local noise on MNIST-ST through "
                                            "Flower; writes docs/NOISE_MODES.md")
     s.add_argument("--iterations", type=int, default=200)
@@ -332,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
-                "noise-modes": cmd_noise_modes}
+                "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy

@@ -21,9 +21,10 @@ def test_smoke_sweep_report_and_resume(tmp_path):
     report = write_report(root, "smoke", docs)
     text = report.read_text()
     for ds in ("mnist-st", "fashion-mnist-st", "celeba"):
-        assert f"## {ds}" in text and (docs / "plots" / f"{ds}_accuracy_vs_epsilon.png").stat().st_size > 1000
-        assert (docs / "plots" / f"{ds}_training_curves.png").stat().st_size > 1000
-    rows = list(csv.DictReader(open(docs / "results.csv")))
+        assert f"## {ds}" in text and (docs / "plots" / f"smoke_{ds}_accuracy_vs_epsilon.png").stat().st_size > 1000
+        assert (docs / "plots" / f"smoke_{ds}_training_curves.png").stat().st_size > 1000
+    assert report.name == "RESULTS-smoke.md"
+    rows = list(csv.DictReader(open(docs / "results-smoke.csv")))
     assert len(rows) == 6
     celeba = [r for r in rows if r["dataset"] == "celeba"]
     assert all(0.0 <= float(r["worst_accuracy"]) <= float(r["test_accuracy"]) + 1e-12 for r in celeba)

@@ -384,3 +384,47 @@ def test_tuning_draws_distinct_points_and_selects_on_validation_only(tmp_path):
     records = [{"trial": 0, "val_worst": 0.5, "val_accuracy": 0.9}, {"trial": 1, "val_worst": 0.6, "val_accuracy": 0.5},
                {"trial": 2, "val_worst": 0.6, "val_accuracy": 0.7}, {"trial": 3, "val_worst": 0.6, "val_accuracy": 0.7}]
     assert tune.best_trial(records)["trial"] == 2 and tune.best_trial([]) is None
+
+
+def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goal(tmp_path):
+    from dpdro.simulations.sweep import PROFILES, run_dir, write_report
+    from dpdro.simulations.tune import write_toml
+
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    figures = {"dp-sgd": (0.80, 0.20), "dp-sgd-la": (0.88, 0.64), "dp-double-spider": (0.86, 0.50),
+               "recursive-spider": (0.87, 0.66)}
+    for algo, (acc, worst) in figures.items():
+        for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+            out = run_dir(root, "tuned", "mnist-st", algo, 4.0, seed)
+            out.mkdir(parents=True)
+            (out / "summary.json").write_text(json.dumps(
+                {"dataset": "mnist-st", "algorithm": algo, "epsilon_target": 4.0, "seed": seed,
+                 "test_accuracy": acc + jitter, "worst_class_accuracy": worst + jitter, "epsilon_spent": 3.99,
+                 "wall_seconds": 1.0}))
+    write_toml(configs / "mnist-st-eps4-best.toml", {"algorithm": "dp-sgd-la"})
+    text = write_report(root, "tuned", docs, configs).read_text()
+    assert "**dp-sgd-la**" in text and "reaches test accuracy 0.880 +/- 0.010" in text and "goal **reached**" in text
+    assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text
+    assert "dp-double-spider -0.140 (worse)" in text and "recursive-spider +0.020 (better)" in text
+    assert "| dp-sgd (n=3) | " in text and "## fashion-mnist-st" in text and "Not run" in text
+    assert PROFILES["tuned"].epsilons == (1.0, 4.0, 8.0) and len(PROFILES["tuned"].seeds) >= 3
+
+
+def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
+    from dpdro.simulations.hazards import TOGGLES, variants
+    from dpdro.simulations.tune import write_toml
+
+    write_toml(tmp_path / "mnist-st-eps4-dp-double-spider.toml",
+               {"algorithm": "dp-double-spider", "dro-clip": "product", "lr-x": 4.0, "q": 5})
+    write_toml(tmp_path / "mnist-st-eps4-recursive-spider.toml", {"algorithm": "recursive-spider", "lr-x": 2.0})
+    vs = variants(tmp_path)
+    labels = [v[0] for v in vs]
+    assert labels[0] == "dp-double-spider (tuned)" and "dp-double-spider, dro-clip=product" not in labels
+    assert "dp-double-spider, dro-clip=weight-after-clip" in labels and "dp-double-spider, q=1" in labels
+    for _, algo, keys in vs:
+        base = dict(vs[[v[0] for v in vs].index(f"{algo} (tuned)")][2])
+        changed = {k for k in set(keys) | set(base) if keys.get(k) != base.get(k)}
+        assert len(changed) <= 1 and Config.from_mapping(keys).algorithm == algo
+    # equal to the tuned configs, hence left out: product, tau = 0 ('auto'), eta-init config; rs: absolute, tau = 0
+    assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 5
+    assert "dp-double-spider, logit-adjust-tau=1.0" in labels and "dp-double-spider, logit-adjust-tau=0.0" not in labels

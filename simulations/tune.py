@@ -127,6 +127,12 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
     from ..common.data import DataError
     from .runner import run_many
 
+    stored = search_file(root, dataset, epsilon)
+    if stored.exists() and search_size(root, dataset, epsilon, trials, seed) != (trials, seed):
+        raise ValueError(f"{stored} records a search with other --trials/--seed "
+                         f"{search_size(root, dataset, epsilon, trials, seed)}; use those or another --root")
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps({"trials": trials, "seed": seed}))
     plans = []
     for method in methods:
         for i, keys in enumerate(trial_keys(method, trials, seed)):
@@ -141,20 +147,38 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
 
 
 def collect_trials(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int) -> list[dict]:
-    """One record per finished trial: index, searched keys, validation accuracy and worst accuracy."""
+    """One record per finished trial of the search recorded in the search's ``search.json`` (or, without it,
+    the ``trials``/``seed`` given): index, searched keys (read back from the trial's config.json), validation
+    accuracy and worst accuracy."""
     from ..server.rundir import read_json
 
+    trials, seed = search_size(root, dataset, epsilon, trials, seed)
     out = []
-    for i, keys in enumerate(trial_keys(method, trials, seed)):
+    for i in range(len(trial_keys(method, trials, seed))):
         path = trial_dir(root, dataset, epsilon, method, i) / "summary.json"
         if not path.exists():
             continue
+        config = read_json(path.parent / "config.json")
+        keys = {k: config[k] for k in sorted(SPACES[method])}
         s = read_json(path)
         worst = s.get("worst_group_accuracy", s["worst_class_accuracy"])
         out.append({"trial": i, "keys": keys, "val_accuracy": s["test_accuracy"], "val_worst": worst,
                     "epsilon_spent": s["epsilon_spent"], "wall_seconds": s["wall_seconds"],
                     "out_dir": str(path.parent)})
     return out
+
+
+def search_file(root: Path, dataset: str, epsilon: float) -> Path:
+    return root / dataset / f"eps{epsilon:g}" / "search.json"
+
+
+def search_size(root: Path, dataset: str, epsilon: float, trials: int, seed: int) -> tuple[int, int]:
+    """(trials per method, search seed) of the search stored under ``root`` (the arguments if none is)."""
+    path = search_file(root, dataset, epsilon)
+    if path.exists():
+        d = json.loads(path.read_text())
+        return int(d["trials"]), int(d["seed"])
+    return trials, seed
 
 
 def best_trial(records: list[dict]) -> dict | None:
@@ -170,6 +194,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], trials: int, r
     from ..server.engine import load_run_config
 
     winners = {}
+    trials, seed = search_size(root, dataset, epsilon, trials, seed)
     (configs / "tuned").mkdir(parents=True, exist_ok=True)
     for method in methods:
         win = best_trial(collect_trials(dataset, epsilon, method, trials, root, seed))
@@ -223,13 +248,14 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], trials: 
              + "; ".join(f"{d}: " + ", ".join(f"{k}={v}" for k, v in kv.items()) for d, kv in PER_DATASET.items())
              + ". SPIDER difference batches are half the refresh batch.", ""]
     for dataset, epsilon in entries:
-        lines += [f"## {dataset}, epsilon {epsilon:g}", ""]
+        n_trials, _ = search_size(root, dataset, epsilon, trials, seed)
+        lines += [f"## {dataset}, epsilon {epsilon:g} ({n_trials} trials per method)", ""]
         for method in methods:
             records = collect_trials(dataset, epsilon, method, trials, root, seed)
             if not records:
                 continue
             win = best_trial(records)
-            lines += [f"### {method} ({len(records)} of {trials} trials; winner: trial {win['trial']})", "",
+            lines += [f"### {method} ({len(records)} of {n_trials} trials; winner: trial {win['trial']})", "",
                       "| trial | val worst | val accuracy | keys |", "|---|---|---|---|"]
             for r in records:
                 mark = " **(selected)**" if r is win else ""

@@ -428,3 +428,33 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
     # equal to the tuned configs, hence left out: product, tau = 0 ('auto'), eta-init config; rs: absolute, tau = 0
     assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 5
     assert "dp-double-spider, logit-adjust-tau=1.0" in labels and "dp-double-spider, logit-adjust-tau=0.0" not in labels
+
+
+def test_write_tuned_picks_validation_winners_and_writes_runnable_configs(tmp_path):
+    import tomllib
+
+    from dpdro.simulations import tune
+
+    root, configs = tmp_path / "runs", tmp_path / "configs"
+    tune.search_file(root, "mnist-st", 4.0).parent.mkdir(parents=True)
+    tune.search_file(root, "mnist-st", 4.0).write_text(json.dumps({"trials": 3, "seed": 0}))
+    worst = {"dp-sgd": [0.1, 0.3, 0.2], "dp-sgd-la": [0.5, 0.7, 0.6]}
+    for method, values in worst.items():
+        for i, (keys, w) in enumerate(zip(tune.trial_keys(method, 3, 0), values, strict=True)):
+            cfg = tune.trial_config("mnist-st", 4.0, method, keys, tune.trial_dir(root, "mnist-st", 4.0, method, i))
+            out = tmp_path / "runs" / "mnist-st" / "eps4" / method / f"trial{i:02d}"
+            out.mkdir(parents=True)
+            (out / "config.json").write_text(json.dumps(cfg.to_dict()))
+            (out / "summary.json").write_text(json.dumps({"test_accuracy": 0.9, "worst_class_accuracy": w,
+                                                          "epsilon_spent": 4.0, "wall_seconds": 1.0}))
+    winners = tune.write_tuned("mnist-st", 4.0, ["dp-sgd", "dp-sgd-la"], 99, root, configs)
+    assert winners["dp-sgd"]["trial"] == 1 and winners["dp-sgd-la"]["trial"] == 1
+    with open(configs / "mnist-st-eps4-best.toml", "rb") as f:
+        best = tomllib.load(f)
+    expected = tune.trial_keys("dp-sgd-la", 3, 0)[1]
+    cfg = Config.from_mapping(best)
+    assert cfg.algorithm == "dp-sgd-la" and cfg.eval_split == "test" and cfg.validation_fraction == 0.0
+    assert all(best[k] == v for k, v in expected.items() if k != "refresh-batch")
+    assert cfg.refresh_batch == expected["refresh-batch"] and cfg.out_dir == "runs/mnist-st-eps4-best"
+    text = tune.tuning_report([("mnist-st", 4.0)], ["dp-sgd", "dp-sgd-la"], 99, root, tmp_path).read_text()
+    assert "(3 trials per method)" in text and text.count("**(selected)**") == 2

@@ -7,8 +7,8 @@ Starting from the tuned configuration of dp-double-spider (and of recursive-spid
 split with every seed and evaluated on the test split:
 
 - clipping erases the DRO weights: dro-clip product vs weight-after-clip;
-- SPIDER only helps in its regime: the difference cap clip-diff-max 1.0 (differences as noisy as refreshes)
-  and q = 1 (no differences at all) against the tuned cap;
+- SPIDER only helps in its regime: q = 1 (no differences at all) against q = 5, and the difference cap
+  clip-diff-max 1.0 (differences as noisy as refreshes) against the tuned cap;
 - minority classes drown first: the logit-adjusted loss off / on;
 - the noise allocation: eta-noise-ratio ratios vs the variance rule;
 - eta initialisation: eta_0 = 0 vs the private mean loss;
@@ -31,11 +31,11 @@ from .sweep import tuned_config_path
 
 DATASET, EPSILON = "mnist-st", 4.0
 TOGGLES = {
-    "dp-double-spider": [("dro-clip", "product"), ("dro-clip", "weight-after-clip"), ("clip-diff-max", 1.0),
-                         ("q", 1), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0),
+    "dp-double-spider": [("dro-clip", "product"), ("dro-clip", "weight-after-clip"), ("q", 1), ("q", 5),
+                         ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0),
                          ("noise-allocation", "ratios"), ("eta-init-source", "config")],
-    "recursive-spider": [("rs-clip-units", "absolute"), ("rs-clip-units", "relative"), ("clip-diff-max", 1.0),
-                         ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0)],
+    "recursive-spider": [("rs-clip-units", "absolute"), ("rs-clip-units", "relative"), ("q", 1), ("q", 5),
+                         ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0)],
 }
 
 

@@ -35,8 +35,8 @@ from ..common.rng import derived_rng
 log = logging.getLogger(__name__)
 
 # Keys shared by every trial of a data set (the training budget is the same for every method). SPIDER-type
-# methods run in their useful regime (q = 5, C_max = 0.15 with difference batches half the refresh batch:
-# a phase's differences add at most about the refresh's noise; server/diagnostics.py), and the dual variable
+# methods run in their useful regime (C_max = 0.15 with difference batches half the refresh batch: at q = 5 a
+# phase's differences add at most about the refresh's noise; server/diagnostics.py), and the dual variable
 # starts from the private mean loss.
 BASE = {"num-clients": 4, "threads": 1, "reproducible": False, "checkpoint-every": 0, "iterations": 500,
         "clip-x": 1.0, "clip-eta": 1.0, "noise-allocation": "variance"}
@@ -47,25 +47,30 @@ PER_DATASET = {
     "celeba": {"iterations": 300, "batch-scale": 0.5},  # 8,000 training images: half the batch sizes
 }
 _LR = [2.0, 4.0, 6.0, 8.0, 12.0]
+# SPIDER-type methods: 12 always diverged in the first trials, 1 is added; q = 1 (a refresh every step, no
+# differences) is in their space so that the search can find out whether the differences pay off at all.
+_LR_SPIDER = [1.0, 2.0, 4.0, 6.0, 8.0]
+_Q = [1, 5]
 _BATCH = [1024, 2048]
 _TAU = [0.0, 1.0]
-_SPIDER = {"q": 5, "clip-diff-max": 0.15, "lr-eta": 0.1, "eta-init-source": "private-mean-loss"}
+_SPIDER = {"clip-diff-max": 0.15, "lr-eta": 0.1, "eta-init-source": "private-mean-loss"}
 SPACES: dict[str, dict[str, list]] = {
     "dp-sgd": {"lr-x": _LR, "refresh-batch": _BATCH},
     "dp-sgd-la": {"lr-x": _LR, "refresh-batch": _BATCH, "posthoc-tau": [0.0, 0.5]},
-    "dp-double-spider": {"lr-x": _LR, "refresh-batch": _BATCH, "lambda": [0.5, 1.0, 2.0],
+    "dp-double-spider": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": [0.5, 1.0, 2.0],
                          "dro-clip": ["product", "weight-after-clip"], "logit-adjust-tau": _TAU},
-    "recursive-spider": {"lr-x": _LR, "refresh-batch": _BATCH, "rho": [0.1, 0.5, 1.0],
+    "recursive-spider": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "rho": [0.1, 0.5, 1.0],
                          "rs-clip-units": ["absolute", "relative"], "logit-adjust-tau": _TAU},
     "dp-sgda": {"lr-x": _LR, "refresh-batch": _BATCH, "lr-p": [0.05, 0.2, 1.0], "lambda": [0.1, 1.0],
                 "logit-adjust-tau": _TAU},
     "dp-sgd-dual": {"lr-x": _LR, "refresh-batch": _BATCH, "lambda": [0.5, 1.0, 2.0], "logit-adjust-tau": _TAU},
-    "dp-spiderboost": {"lr-x": _LR, "refresh-batch": _BATCH, "lambda": [0.5, 1.0, 2.0], "logit-adjust-tau": _TAU},
+    "dp-spiderboost": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": [0.5, 1.0, 2.0],
+                       "logit-adjust-tau": _TAU},
 }
 # Keys every trial of a method shares (not searched).
 FIXED = {
     "dp-double-spider": _SPIDER,
-    "recursive-spider": {"q": 5, "clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5},
+    "recursive-spider": {"clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5},
     "dp-sgd-dual": {"lr-eta": 0.1, "eta-init-source": "private-mean-loss"},
     "dp-spiderboost": _SPIDER,
 }

@@ -425,8 +425,9 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
         base = dict(vs[[v[0] for v in vs].index(f"{algo} (tuned)")][2])
         changed = {k for k in set(keys) | set(base) if keys.get(k) != base.get(k)}
         assert len(changed) <= 1 and Config.from_mapping(keys).algorithm == algo
-    # equal to the tuned configs, hence left out: product, tau = 0 ('auto'), eta-init config; rs: absolute, tau = 0
-    assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 5
+    # equal to the tuned configs, hence left out: product, q = 5, tau = 0 ('auto'), eta-init config; rs: absolute,
+    # q = 5 (the default), tau = 0
+    assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 7
     assert "dp-double-spider, logit-adjust-tau=1.0" in labels and "dp-double-spider, logit-adjust-tau=0.0" not in labels
 
 

@@ -138,9 +138,11 @@ class Releaser:
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
         self.server_view: Counter = Counter()
-        self.last: dict[str, dict] = {}
+        self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
 
     def decorate(self, q: Query, *, diagnostics: bool = True) -> Query:
+        """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
+        the noise std each client adds in this noise mode."""
         cfg = self.cfg
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
@@ -176,15 +178,15 @@ class Releaser:
                 quantisation = getattr(self.transport, "quantisation_bound", None)
                 if quantisation is not None and clients and got[0].partition < 0:
                     event["quantisation_bound"] = quantisation(q, clients)
+                    ratio = event["quantisation_bound"] / (z * q.sensitivity)
+                    self.quantisation_ratio = max(self.quantisation_ratio, ratio)
             if setup:
                 event["phase"] = "setup"
             if q.count_scale > 0:
                 event["clipped_fraction"] = float(mean[-1] / (q.count_scale * q.clip))
                 mean = mean[:-1]
             released[q.mechanism] = mean
-            event = self.monitor.observe(event)
-            events.append(event)
-            self.last[q.mechanism] = event
+            events.append(self.monitor.observe(event))
         self.rd.append_events(events)
         return released
 
@@ -322,6 +324,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                              **({"proxy_variance": proxy_variance(plan, noise, profiles, n)} if profiles else {})},
         "noise_mode": cfg.noise_mode, "trust_model": _trust_statement(cfg, transport_name),
         "epsilon_against_server": releaser.server_view_epsilon(delta, cfg.accountant),
+        **({"max_quantisation_over_noise": releaser.quantisation_ratio} if releaser.quantisation_ratio else {}),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
         "eval_split": cfg.eval_split,
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],

@@ -151,6 +151,7 @@ def _worker(cfg: Config, pid: int):
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
+    """This node's partition id and shard size (treated as public); resets its cache of model versions."""
     cfg = _config(context)
     pid = _partition(context, cfg)
     num_records = _num_records(cfg, pid)
@@ -178,6 +179,7 @@ def _answer(context: Context, queries, incoming):
 
 @app.query("release")
 def release(msg: Message, context: Context) -> Message:
+    """Clipped sums of this node for the queries of one round (central and local noise modes)."""
     queries, incoming = unpack_queries(msg.content)
     return Message(pack_replies(_answer(context, queries, incoming)), reply_to=msg)
 

@@ -35,6 +35,7 @@ class Problem:
 
     @classmethod
     def from_config(cls, cfg) -> Problem:
+        """The problem constants of a run's Config."""
         return cls(psi=make_psi(cfg.psi, cfg.cvar_alpha), lam=cfg.lambda_, eta_scale=cfg.eta_scale,
                    loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=cfg.dro_clip == "weight-after-clip")
 

@@ -72,6 +72,7 @@ class NoiseMonitor:
         return out
 
     def noise_dominated_phases(self) -> int:
+        """Closed phases whose accumulated difference noise exceeded their refresh noise."""
         return sum(r > 1.0 for r in self.phase_ratios)
 
     def summary(self) -> dict:

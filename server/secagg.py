@@ -50,6 +50,7 @@ class SecAggRange:
 
     @classmethod
     def for_round(cls, queries: list[Query], largest_shard: int, clients: int) -> SecAggRange:
+        """R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2 m)), so m Q <= 2^31."""
         shares = [q.noise_std / q.sensitivity for q in queries if q.sensitivity > 0 and math.isfinite(q.sensitivity)]
         r = float(largest_shard + 1) + 10.0 * max(shares, default=0.0)
         q = 2 ** (31 - max(1, math.ceil(math.log2(max(clients, 2)))))
@@ -72,6 +73,7 @@ def encode_config(queries: list[Query], version_ids: list[int]) -> dict:
 
 
 def decode_config(config: dict) -> tuple[list[Query], list[int]]:
+    """Inverse of ``encode_config``: (queries, model version ids of the FitIns parameters)."""
     return ([query_from_dict(d) for d in json.loads(str(config["dpdro-queries"]))],
             [int(v) for v in json.loads(str(config["dpdro-versions"]))])
 
@@ -98,6 +100,7 @@ class SecureRound:
 
     def run(self, queries: list[Query], contents: dict[int, tuple[list[np.ndarray], dict]]
             ) -> tuple[dict[str, np.ndarray], int, list[int]]:
+        """Run the four SecAgg+ stages once (see the class docstring for what it returns and raises)."""
         from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
         from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
         from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -115,10 +118,12 @@ class SecureRound:
             """A legacy strategy that hands each node its own FitIns and keeps the secure aggregate."""
 
             def configure_fit(self, server_round, parameters, client_manager):
+                """Each node's own FitIns (queries and the versions it lacks)."""
                 return [(proxies[nid], FitIns(ndarrays_to_parameters(arrays), config))
                         for nid, (arrays, config) in contents.items()]
 
             def aggregate_fit(self, server_round, results, failures):
+                """Keep the unmasked mean (identical in every result) and the nodes in it."""
                 if results:
                     captured["mean"] = parameters_to_ndarrays(results[0][1].parameters)
                     captured["nodes"] = [p.node_id for p, _ in results]

@@ -45,11 +45,13 @@ class SetupResult:
         return tuple(float(tau * math.log(p)) for p in self.priors)
 
     def to_json(self) -> dict:
+        """JSON-friendly form (for checkpoints)."""
         return {"priors": list(self.priors) if self.priors is not None else None, "prior_source": self.prior_source,
                 "eta0": self.eta0}
 
     @classmethod
     def from_json(cls, d: dict) -> SetupResult:
+        """Inverse of ``to_json``."""
         priors = d.get("priors")
         return cls(tuple(priors) if priors is not None else None, d.get("prior_source", "none"), d.get("eta0"))
 

@@ -72,6 +72,7 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
 
 
 def best_method_of(configs: Path) -> str | None:
+    """The algorithm of simulations/configs/mnist-st-eps4-best.toml, or None before tuning."""
     import tomllib
 
     path = configs / "mnist-st-eps4-best.toml"

@@ -122,6 +122,7 @@ def final_keys(cfg: Config) -> dict:
 
 
 def trial_dir(root: Path, dataset: str, epsilon: float, method: str, i: int) -> Path:
+    """Run directory of trial i: <root>/<dataset>/eps<e>/<method>/trial<ii>."""
     return root / dataset / f"eps{epsilon:g}" / method / f"trial{i:02d}"
 
 
@@ -174,6 +175,7 @@ def collect_trials(dataset: str, epsilon: float, method: str, trials: int, root:
 
 
 def search_file(root: Path, dataset: str, epsilon: float) -> Path:
+    """The search's record of its size (trials per method, seed)."""
     return root / dataset / f"eps{epsilon:g}" / "search.json"
 
 
@@ -274,6 +276,7 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], trials: 
 
 
 def space_size(method: str) -> int:
+    """Number of points of the method's search space."""
     return math.prod(len(v) for v in SPACES[method].values())
 
 

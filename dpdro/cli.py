@@ -157,7 +157,7 @@ def cmd_hazards(args: argparse.Namespace) -> int:
 def cmd_noise_modes(args: argparse.Namespace) -> int:
     from dpdro.simulations.noise_modes import run_noise_modes
 
-    path = run_noise_modes(args.iterations, Path(args.root), Path(args.docs), Path(args.app))
+    path = run_noise_modes(args.iterations, Path(args.root), Path(args.docs), Path(args.app), args.seed)
     print(path.read_text())
     return 0
 
@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report", action="store_true", help="run nothing: write HAZARDS.md from finished runs")
     s = sub.add_parser("noise-modes", help="central, distributed (SecAgg+) and local noise on MNIST-ST through "
                                            "Flower; writes docs/NOISE_MODES.md")
-    s.add_argument("--iterations", type=int, default=200)
+    s.add_argument("--iterations", type=int, default=500)
+    s.add_argument("--seed", type=int, default=0)
     s.add_argument("--root", default="runs/noise-modes")
     s.add_argument("--docs", default="docs")
     s.add_argument("--app", default=".", help="Flower app directory (the project root)")

@@ -55,8 +55,8 @@ def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Pat
     lines += ["", "One run per mode. Central and distributed mode release sums with the same noise distribution "
               "(tested), so the gap between their rows is run-to-run variation, not an effect of the mode; the "
               "wall time of distributed mode is the four SecAgg+ message rounds of every release. Local mode adds "
-              "the full noise on every client, so its released sum carries 4 times the variance: that is its utility cost for a "
-              "guarantee that holds against the server.", ""]
+              "the full noise on every client, so its released sum carries 4 times the variance: that is its "
+              "utility cost for a guarantee that holds against the server.", ""]
     docs.mkdir(parents=True, exist_ok=True)
     path = docs / "NOISE_MODES.md"
     path.write_text("\n".join(lines))

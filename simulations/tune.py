@@ -59,8 +59,8 @@ SPACES: dict[str, dict[str, list]] = {
     "dp-sgd-la": {"lr-x": _LR, "refresh-batch": _BATCH, "posthoc-tau": [0.0, 0.5]},
     "dp-double-spider": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": [0.5, 1.0, 2.0],
                          "dro-clip": ["product", "weight-after-clip"], "logit-adjust-tau": _TAU},
-    "recursive-spider": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "rho": [0.1, 0.5, 1.0],
-                         "rs-clip-units": ["absolute", "relative"], "logit-adjust-tau": _TAU},
+    "recursive-spider": {"lr-x": [0.5, 1.0, 2.0, 4.0, 8.0], "refresh-batch": _BATCH, "q": _Q, "rho": [0.1, 0.5, 1.0],
+                         "logit-adjust-tau": _TAU},
     "dp-sgda": {"lr-x": _LR, "refresh-batch": _BATCH, "lr-p": [0.05, 0.2, 1.0], "lambda": [0.1, 1.0],
                 "logit-adjust-tau": _TAU},
     "dp-sgd-dual": {"lr-x": _LR, "refresh-batch": _BATCH, "lambda": [0.5, 1.0, 2.0], "logit-adjust-tau": _TAU},
@@ -70,7 +70,11 @@ SPACES: dict[str, dict[str, list]] = {
 # Keys every trial of a method shares (not searched).
 FIXED = {
     "dp-double-spider": _SPIDER,
-    "recursive-spider": {"clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5},
+    # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
+    # (whose logit-adjusted losses exceed 4) in play; the clips are in the units of the update (every trial of
+    # the first search in absolute units, B = 4, lost the minority classes).
+    "recursive-spider": {"clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5, "loss-bound": 10.0,
+                         "rs-clip-units": "relative"},
     "dp-sgd-dual": {"lr-eta": 0.1, "eta-init-source": "private-mean-loss"},
     "dp-spiderboost": _SPIDER,
 }

@@ -117,12 +117,16 @@ def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir:
 
 
 def final_keys(cfg: Config) -> dict:
-    """The keys of a tuned config file: every key that differs from the default, with the validation split
-    off and the test split evaluated, minus run-local keys (out-dir, seed)."""
+    """The keys of a tuned config file, with the validation split off and the test split evaluated: every key
+    the search set (BASE, the method's FIXED and searched keys, the batches) and every other key that differs
+    from its default, minus run-local keys (out-dir, seed, eval-every). Writing the searched keys even where
+    they equal today's defaults keeps the file's meaning if a default changes."""
     default = Config.from_mapping({}).to_dict()
     values = cfg.with_updates({"validation-fraction": 0.0, "eval-split": "test"}).to_dict()
-    drop = {"out-dir", "seed", "eval-every"}
-    return {k: v for k, v in values.items() if v != default[k] and k not in drop}
+    explicit = ({"algorithm", "dataset", "epsilon", "iterations", "refresh-batch", "diff-batch", "s-batch"}
+                | set(BASE) | set(FIXED.get(cfg.algorithm, {})) | set(SPACES.get(cfg.algorithm, {})))
+    drop = {"out-dir", "seed", "eval-every", "validation-fraction", "eval-split"}
+    return {k: v for k, v in values.items() if k not in drop and (k in explicit or v != default[k])}
 
 
 def trial_dir(root: Path, dataset: str, epsilon: float, method: str, i: int) -> Path:

@@ -1,6 +1,7 @@
 """Sweeps: algorithms x datasets x epsilon x seeds, single-node or on Flower's simulation, resumable.
 
     dpdro sweep --profile quick [--transport local|flower] [--root runs/sweep] [--only-dataset D ...]
+                [--only-method A ...] [--only-epsilon E ...]
     dpdro report [--root runs/sweep] [--profile tuned]      -> docs/RESULTS.md, docs/results.csv, docs/plots/
 
 Each run writes its own run directory ``<root>/<profile>/<dataset>/<algorithm>/eps<e>/seed<s>``; a run whose
@@ -84,9 +85,11 @@ def run_dir(root: Path, profile: str, dataset: str, algorithm: str, eps: float, 
 
 
 def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
-              tuned_folder: Path = TUNED_CONFIGS) -> list[Config]:
-    """Validated configs of every run of the profile (ConfigError before any work if one is bad). A tuned
-    profile skips, with a warning, every (dataset, algorithm) that has no tuned config file yet."""
+              tuned_folder: Path = TUNED_CONFIGS, algorithms: list[str] | None = None,
+              epsilons: list[float] | None = None) -> list[Config]:
+    """Validated configs of every run of the profile (ConfigError before any work if one is bad), restricted
+    to ``datasets``, ``algorithms`` and ``epsilons`` when given. A tuned profile skips, with a warning, every
+    (dataset, algorithm) that has no tuned config file yet."""
     import tomllib
 
     out = []
@@ -94,6 +97,8 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
         if datasets and ds not in datasets:
             continue
         for algo in profile.algorithms:
+            if algorithms and algo not in algorithms:
+                continue
             tuned = {}
             if profile.tuned_at is not None:
                 path = tuned_config_path(ds, profile.tuned_at, algo, tuned_folder)
@@ -103,6 +108,8 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
                 with open(path, "rb") as f:
                     tuned = tomllib.load(f)
             for eps in profile.epsilons:
+                if epsilons and eps not in epsilons:
+                    continue
                 for seed in profile.seeds:
                     values = {**tuned, **profile.base, **profile.per_dataset.get(ds, {}),
                               **profile.per_algorithm.get(algo, {}),
@@ -113,13 +120,13 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
 
 
 def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets: list[str] | None = None,
-              jobs: int = 1) -> dict:
+              jobs: int = 1, algorithms: list[str] | None = None, epsilons: list[float] | None = None) -> dict:
     """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
     returns counts {'done', 'skipped', 'missing-data'}."""
     from ..server.simulate import run_simulation
     from .runner import run_many
 
-    cfgs = plan_runs(PROFILES[profile_name], root, datasets)
+    cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons)
     counts = {"done": 0, "skipped": 0, "missing-data": 0}
     todo = []
     for cfg in cfgs:

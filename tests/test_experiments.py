@@ -63,3 +63,15 @@ def test_audit_smoke_on_real_data(tmp_path):
     for row in rows:
         values = [float(v) for v in row.strip("|").split("|")[1:]]
         assert all(0.0 <= v <= 1.0 for v in values)
+
+
+def test_plan_runs_filters_methods_and_epsilons(tmp_path):
+    """--only-method / --only-epsilon keep exactly the runs asked for (the tuned profile's grid is big)."""
+    from dpdro.simulations.sweep import Profile
+
+    profile = Profile("grid", ("mnist-st",), ("dp-sgd", "dp-sgd-la"), (1.0, 4.0, 8.0), (0, 1),
+                      base={"iterations": 1})
+    assert len(plan_runs(profile, tmp_path)) == 12
+    cfgs = plan_runs(profile, tmp_path, algorithms=["dp-sgd-la"], epsilons=[1.0, 8.0])
+    assert [(c.algorithm, c.epsilon, c.seed) for c in cfgs] == [
+        ("dp-sgd-la", 1.0, 0), ("dp-sgd-la", 1.0, 1), ("dp-sgd-la", 8.0, 0), ("dp-sgd-la", 8.0, 1)]

@@ -459,3 +459,20 @@ def test_write_tuned_picks_validation_winners_and_writes_runnable_configs(tmp_pa
     assert cfg.refresh_batch == expected["refresh-batch"] and cfg.out_dir == "runs/mnist-st-eps4-best"
     text = tune.tuning_report([("mnist-st", 4.0)], ["dp-sgd", "dp-sgd-la"], 99, root, tmp_path).read_text()
     assert "(3 trials per method)" in text and text.count("**(selected)**") == 2
+
+
+def test_main_job_is_the_tuned_best_configuration():
+    """`make run` trains exactly the configuration `dpdro tune` selected for MNIST-ST at epsilon 4 (only the
+    run directory, the evaluation and checkpoint cadence differ), so the quick start shows the goal-figure setting."""
+    import tomllib
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "simulations" / "configs"
+    with open(configs / "main.toml", "rb") as f:
+        main = tomllib.load(f)
+    with open(configs / "mnist-st-eps4-best.toml", "rb") as f:
+        best = tomllib.load(f)
+    local = {"out-dir", "eval-every", "checkpoint-every"}
+    assert {k: v for k, v in main.items() if k not in local} == {k: v for k, v in best.items() if k not in local}
+    assert main["out-dir"] == "runs/main" and best["dataset"] == "mnist-st" and best["epsilon"] == 4.0
+    Config.from_mapping(main)  # valid

@@ -429,6 +429,11 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
     # q = 5 (the default), tau = 0
     assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 7
     assert "dp-double-spider, logit-adjust-tau=1.0" in labels and "dp-double-spider, logit-adjust-tau=0.0" not in labels
+    # a q = 1 configuration has no differences: its difference cap is compared at q = 5
+    write_toml(tmp_path / "mnist-st-eps4-recursive-spider.toml", {"algorithm": "recursive-spider", "q": 1})
+    rs = {v[0]: v[2] for v in variants(tmp_path) if v[1] == "recursive-spider"}
+    assert rs["recursive-spider, q=5, clip-diff-max=1.0"] == {"algorithm": "recursive-spider", "q": 5,
+                                                               "clip-diff-max": 1.0}
 
 
 def test_write_tuned_picks_validation_winners_and_writes_runnable_configs(tmp_path):
@@ -476,3 +481,20 @@ def test_main_job_is_the_tuned_best_configuration():
     assert {k: v for k, v in main.items() if k not in local} == {k: v for k, v in best.items() if k not in local}
     assert main["out-dir"] == "runs/main" and best["dataset"] == "mnist-st" and best["epsilon"] == 4.0
     Config.from_mapping(main)  # valid
+
+
+def test_baseline_variants_carry_the_baseline_setting_into_double_spider(tmp_path):
+    from dpdro.simulations.hazards import baseline_variants
+    from dpdro.simulations.tune import write_toml
+
+    dss = {"algorithm": "dp-double-spider", "dro-clip": "product", "lr-x": 2.0, "q": 1, "lambda": 1.0,
+           "refresh-batch": 1024, "diff-batch": 512}
+    write_toml(tmp_path / "mnist-st-eps4-dp-double-spider.toml", dss)
+    write_toml(tmp_path / "mnist-st-eps4-dp-sgd-la.toml", {"algorithm": "dp-sgd-la", "lr-x": 6.0,
+               "refresh-batch": 2048, "diff-batch": 1024, "posthoc-tau": 0.5})
+    vs = baseline_variants(tmp_path)
+    assert [v[2]["dro-clip"] for v in vs] == ["product", "weight-after-clip"]
+    for _, algo, keys in vs:
+        cfg = Config.from_mapping(keys)
+        assert algo == cfg.algorithm == "dp-double-spider" and cfg.lr_x == 6.0 and cfg.refresh_batch == 2048
+        assert cfg.posthoc_tau == 0.5 and cfg.tau == 1.0 and cfg.q == 1 and cfg.lambda_ == 1.0

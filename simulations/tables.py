@@ -111,7 +111,11 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
         have = [a for a in profile.algorithms if any((ds, a, e) in groups for e in eps_cols)]
         lines += [f"## {ds}", ""]
         if not have:
-            lines += ["Not run: its data is not available here yet (or it has no tuned configurations).", ""]
+            if not any((configs / "tuned").glob(f"{ds}-eps{profile.tuned_at:g}-*.toml")):
+                lines += [f"Not run: not tuned yet (`dpdro tune --dataset {ds}`, then `dpdro sweep --profile tuned "
+                          f"--only-dataset {ds}`).", ""]
+            else:
+                lines += ["Not run: its data is not available here (or its sweep has not been run).", ""]
             continue
         header = "| method | " + " | ".join(f"eps {e:g}: accuracy | eps {e:g}: worst" for e in eps_cols) + " |"
         lines += [header, "|---|" + "---|" * (2 * len(eps_cols))]

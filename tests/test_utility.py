@@ -406,7 +406,8 @@ def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goa
     assert "**dp-sgd-la**" in text and "reaches test accuracy 0.880 +/- 0.010" in text and "goal **reached**" in text
     assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text
     assert "dp-double-spider -0.140 (worse)" in text and "recursive-spider +0.020 (better)" in text
-    assert "| dp-sgd (n=3) | " in text and "## fashion-mnist-st" in text and "Not run" in text
+    assert "| dp-sgd (n=3) | " in text and "## fashion-mnist-st" in text
+    assert "Not run: not tuned yet (`dpdro tune --dataset fashion-mnist-st`" in text
     assert PROFILES["tuned"].epsilons == (1.0, 4.0, 8.0) and len(PROFILES["tuned"].seeds) >= 3
 
 

@@ -7,6 +7,7 @@ on a small machine: set ``threads=1`` in the configs); a run whose data is missi
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 
@@ -39,5 +40,7 @@ def run_many(configs: Iterable[Config], jobs: int, desc: str) -> list[tuple[str,
         return []
     if jobs <= 1:
         return [run_one(p) for p in tqdm(plans, desc=desc, unit="run")]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # spawn, not fork: a parent that has already run torch (the data check of a sweep starts its thread pools)
+    # would fork children that deadlock on those pools' locks.
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(tqdm(pool.map(run_one, plans), total=len(plans), desc=desc, unit="run"))

@@ -71,6 +71,14 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
             f"{seeds}): goal **{'reached' if reached else 'not reached'}** on the mean."]
 
 
+def _data_missing(dataset: str) -> str | None:
+    """Why the data set cannot be loaded here (DataError's message), or None when it can."""
+    from ..common.config import Config
+    from ..simulations.sweep import _data_missing as missing
+
+    return missing(Config.from_mapping({"dataset": dataset}))
+
+
 def best_method_of(configs: Path) -> str | None:
     """The algorithm of simulations/configs/mnist-st-eps4-best.toml, or None before tuning."""
     import tomllib
@@ -111,7 +119,11 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
         have = [a for a in profile.algorithms if any((ds, a, e) in groups for e in eps_cols)]
         lines += [f"## {ds}", ""]
         if not have:
-            if not any((configs / "tuned").glob(f"{ds}-eps{profile.tuned_at:g}-*.toml")):
+            missing = _data_missing(ds)
+            if missing:
+                lines += [f"Not run: its data is not available here ({missing.splitlines()[0].rstrip(".")}). The same commands run "
+                          f"on it unchanged once it is (`dpdro tune --dataset {ds}`, then the sweep).", ""]
+            elif not any((configs / "tuned").glob(f"{ds}-eps{profile.tuned_at:g}-*.toml")):
                 lines += [f"Not run: not tuned yet (`dpdro tune --dataset {ds}`, then `dpdro sweep --profile tuned "
                           f"--only-dataset {ds}`).", ""]
             else:

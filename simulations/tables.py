@@ -121,7 +121,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
         if not have:
             missing = _data_missing(ds)
             if missing:
-                lines += [f"Not run: its data is not available here ({missing.splitlines()[0].rstrip(".")}). The same commands run "
+                why = missing.splitlines()[0].rstrip(".")
+                lines += [f"Not run: its data is not available here ({why}). The same commands run "
                           f"on it unchanged once it is (`dpdro tune --dataset {ds}`, then the sweep).", ""]
             elif not any((configs / "tuned").glob(f"{ds}-eps{profile.tuned_at:g}-*.toml")):
                 lines += [f"Not run: not tuned yet (`dpdro tune --dataset {ds}`, then `dpdro sweep --profile tuned "

@@ -75,3 +75,42 @@ def test_plan_runs_filters_methods_and_epsilons(tmp_path):
     cfgs = plan_runs(profile, tmp_path, algorithms=["dp-sgd-la"], epsilons=[1.0, 8.0])
     assert [(c.algorithm, c.epsilon, c.seed) for c in cfgs] == [
         ("dp-sgd-la", 1.0, 0), ("dp-sgd-la", 1.0, 1), ("dp-sgd-la", 8.0, 0), ("dp-sgd-la", 8.0, 1)]
+
+
+def test_run_many_in_parallel_after_torch_ran_in_the_parent(tmp_path):
+    """Parallel runs start from spawned processes: a parent whose torch thread pool is already running (the
+    sweep's data check) must not hang its workers (forked children deadlocked on the pool's locks)."""
+    import json
+    import os
+    import signal
+
+    import torch
+
+    from dpdro.common.config import Config
+    from dpdro.simulations.runner import run_many
+
+    torch.set_num_threads(2)
+    float((torch.randn(256, 256) @ torch.randn(256, 256)).sum())  # starts the intra-op pool here
+    cfgs = [Config.from_mapping({"dataset": "mnist-st", "algorithm": "dp-sgd", "iterations": 2,
+                                 "max-train-records": 600, "refresh-batch": 64, "diff-batch": 32, "s-batch": 64,
+                                 "eval-every": 2, "threads": 1, "seed": s, "out-dir": str(tmp_path / f"r{s}")})
+            for s in (0, 1)]
+
+    def hung(*_):  # fail instead of hanging: kill the pool's workers so that the executor can shut down
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+        raise TimeoutError("run_many hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(int(os.environ.get("DPDRO_TEST_HANG_S", "240")))  # seconds before the test fails as hung
+    try:
+        out = run_many(cfgs, 2, "test")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert out == [(c.out_dir, None) for c in cfgs]
+    for c in cfgs:
+        s = json.loads((tmp_path / f"r{c.seed}" / "summary.json").read_text())
+        assert s["iterations"] == 2 and s["seed"] == c.seed and abs(float(s["epsilon_spent"]) - 4.0) < 0.04

@@ -43,15 +43,19 @@ TOGGLES = {
 }
 
 
+def _tuned(algo: str, folder: Path | None) -> dict:
+    """The keys of the tuned config of ``algo`` for MNIST-ST at epsilon 4 (FileNotFoundError if missing)."""
+    with open(tuned_config_path(DATASET, EPSILON, algo, *([folder] if folder else [])), "rb") as f:
+        return tomllib.load(f)
+
+
 def variants(folder: Path | None = None) -> list[tuple[str, str, dict]]:
     """(label, algorithm, config keys) of the tuned configurations and each single-factor change that differs
     from them (the difference cap of a q = 1 configuration is changed together with q = 5).
     Raises FileNotFoundError when a tuned configuration is missing (run `dpdro tune` first)."""
     out = []
     for algo, toggles in TOGGLES.items():
-        path = tuned_config_path(DATASET, EPSILON, algo, *([folder] if folder else []))
-        with open(path, "rb") as f:
-            tuned = tomllib.load(f)
+        tuned = _tuned(algo, folder)
         base = Config.from_mapping(tuned)
         out.append((f"{algo} (tuned)", algo, tuned))
         for key, value in toggles:
@@ -73,10 +77,7 @@ BASELINE, CARRIED = "dp-sgd-la", ("lr-x", "refresh-batch", "diff-batch", "s-batc
 def baseline_variants(folder: Path | None = None) -> list[tuple[str, str, dict]]:
     """(label, algorithm, keys): the tuned dp-double-spider config with the CARRIED keys of the tuned dp-sgd-la
     config and logit-adjust-tau 1, once per dro-clip. Raises FileNotFoundError when a tuned config is missing."""
-    configs = {}
-    for algo in ("dp-double-spider", BASELINE):
-        with open(tuned_config_path(DATASET, EPSILON, algo, *([folder] if folder else [])), "rb") as f:
-            configs[algo] = tomllib.load(f)
+    configs = {algo: _tuned(algo, folder) for algo in ("dp-double-spider", BASELINE)}
     carried = {k: configs[BASELINE][k] for k in CARRIED if k in configs[BASELINE]}
     return [(f"dp-double-spider at the {BASELINE} setting, dro-clip={clip}", "dp-double-spider",
              {**configs["dp-double-spider"], **carried, "logit-adjust-tau": 1.0, "dro-clip": clip})

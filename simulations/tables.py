@@ -74,7 +74,7 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
 def _data_missing(dataset: str) -> str | None:
     """Why the data set cannot be loaded here (DataError's message), or None when it can."""
     from ..common.config import Config
-    from ..simulations.sweep import _data_missing as missing
+    from .sweep import _data_missing as missing
 
     return missing(Config.from_mapping({"dataset": dataset}))
 
@@ -128,7 +128,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
                 lines += [f"Not run: not tuned yet (`dpdro tune --dataset {ds}`, then `dpdro sweep --profile tuned "
                           f"--only-dataset {ds}`).", ""]
             else:
-                lines += ["Not run: its data is not available here (or its sweep has not been run).", ""]
+                lines += [f"Not run: tuned, but its sweep has not been run (`dpdro sweep --profile tuned "
+                          f"--only-dataset {ds}`).", ""]
             continue
         header = "| method | " + " | ".join(f"eps {e:g}: accuracy | eps {e:g}: worst" for e in eps_cols) + " |"
         lines += [header, "|---|" + "---|" * (2 * len(eps_cols))]

@@ -128,10 +128,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dpdro.simulations.tune import run_tune, tuning_report, write_tuned
+    from dpdro.simulations.tune import run_tune, transfer_tuned, tuning_report, write_tuned
 
     root, configs = Path(args.root), Path(args.configs)
     for ds in args.dataset:
+        if args.transfer_from:
+            for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
+                print(f"{ds} eps {args.epsilon:g} {method}: transferred from {args.transfer_from} -> {path}")
+            continue
         if args.report:
             winners = write_tuned(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed)
         else:
@@ -281,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--docs", default="docs", help="where TUNING.md goes")
     s.add_argument("--report", action="store_true", help="run nothing: write configs and TUNING.md from finished "
                                                          "trials")
+    s.add_argument("--transfer-from", choices=DATASETS, help="run nothing: write the data set's tuned configs from "
+                                                             "this data set's (no look at the target's data)")
     s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="membership-inference audit (loss threshold, LiRA); writes docs/AUDIT.md")
     s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])

@@ -13,6 +13,11 @@ training split and is evaluated on the test split:
     simulations/configs/tuned/<dataset>-eps<e>-<method>.toml     one per method
     simulations/configs/<dataset>-eps<e>-best.toml               the best method's (the overall winner)
 
+``dpdro tune --dataset D --transfer-from S`` runs no trial: it writes D's tuned files from S's, keeping each
+method's searched keys (batch sizes in units of the data set's 'batch-scale') and taking everything else from
+D's trial keys. Nothing of D is then looked at to choose the hyper-parameters, so the choice costs D no privacy
+at all; the files' first line and docs/RESULTS.md say where they came from.
+
 and every trial's validation figures go to ``docs/TUNING.md`` (``dpdro tune --report``). Runs are resumable:
 a trial whose summary.json exists is not run again.
 
@@ -233,6 +238,57 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], trials: int, r
     return winners
 
 
+TRANSFER_MARK = "# Transferred"
+
+
+def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str], configs: Path) -> dict[str, Path]:
+    """Write ``configs/tuned/<target>-eps<e>-<method>.toml`` from the source data set's tuned file of each method:
+    the method's searched keys (SPACES) of the source file, 'refresh-batch' divided by the source's and multiplied
+    by the target's 'batch-scale', every other key from the target's trial keys (``trial_config``), evaluated on
+    the test split. Methods without a source file are skipped. No run, no look at the target's data.
+
+    Returns method -> written path. Raises ValueError when target == source or when no source file exists."""
+    import tomllib
+
+    if target == source:
+        raise ValueError(f"--transfer-from: source {source!r} is the target data set; pick another data set")
+    written = {}
+    src_scale = PER_DATASET.get(source, {}).get("batch-scale", 1.0)
+    for method in methods:
+        path = configs / "tuned" / f"{source}-eps{epsilon:g}-{method}.toml"
+        if not path.exists():
+            log.warning("no tuned config %s: %s is not transferred", path, method)
+            continue
+        with open(path, "rb") as f:
+            src = tomllib.load(f)
+        keys = {k: src[k] for k in SPACES[method] if k in src}
+        keys["refresh-batch"] = int(round(src["refresh-batch"] / src_scale))
+        cfg = trial_config(target, epsilon, method, keys, configs / "unused")
+        origin = path.read_text().splitlines()[0].lstrip("# ").rstrip(".")
+        header = (f"{TRANSFER_MARK} by `dpdro tune --dataset {target} --epsilon {epsilon:g} --transfer-from {source}`: "
+                  f"the searched keys of {path.name} ({origin}); no trial on {target}.\n# Trains on the whole "
+                  "training split, evaluates on the test split. Nothing of this data set chose these keys.\n")
+        out = configs / "tuned" / f"{target}-eps{epsilon:g}-{method}.toml"
+        write_toml(out, final_keys(cfg), header)
+        written[method] = out
+    if not written:
+        raise ValueError(f"--transfer-from {source}: no tuned config {source}-eps{epsilon:g}-<method>.toml under "
+                         f"{configs / 'tuned'}; run `dpdro tune --dataset {source}` first")
+    return written
+
+
+def tuning_origin(dataset: str, epsilon: float, configs: Path) -> str | None:
+    """'transferred from S' when the data set's tuned files were written by ``transfer_tuned`` (their first line
+    says so), 'searched' when they came from a search on the data set, None when there is none."""
+    files = sorted((configs / "tuned").glob(f"{dataset}-eps{epsilon:g}-*.toml"))
+    if not files:
+        return None
+    first = files[0].read_text().splitlines()[0]
+    if first.startswith(TRANSFER_MARK):
+        return "transferred from " + first.split("--transfer-from ")[1].split("`")[0]
+    return "searched"
+
+
 def write_toml(path: Path, keys: dict, header: str = "") -> None:
     """A flat TOML file of configuration keys (atomic)."""
     from ..server.rundir import atomic_write_bytes
@@ -288,5 +344,5 @@ def space_size(method: str) -> int:
     return math.prod(len(v) for v in SPACES[method].values())
 
 
-__all__ = ["run_tune", "trial_keys", "best_trial", "write_tuned", "tuning_report", "METHODS", "SPACES",
-           "space_size"]
+__all__ = ["run_tune", "transfer_tuned", "tuning_origin", "trial_keys", "best_trial", "write_tuned",
+           "tuning_report", "METHODS", "SPACES", "space_size"]

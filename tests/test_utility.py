@@ -467,6 +467,39 @@ def test_write_tuned_picks_validation_winners_and_writes_runnable_configs(tmp_pa
     assert "(3 trials per method)" in text and text.count("**(selected)**") == 2
 
 
+def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp_path):
+    """--transfer-from: each method's searched keys come from the source file (batches rescaled by the target's
+    batch-scale), everything else from the target's trial keys; the report says where they came from."""
+    import tomllib
+
+    from dpdro.simulations import tune
+    from dpdro.simulations.tables import _origin_line
+
+    configs = tmp_path / "configs"
+    src = tune.final_keys(tune.trial_config("mnist-st", 4.0, "dp-sgda", {"lr-x": 8.0, "refresh-batch": 2048,
+                                                                         "lr-p": 0.2, "lambda": 0.1,
+                                                                         "logit-adjust-tau": 1.0}, tmp_path))
+    tune.write_toml(configs / "tuned" / "mnist-st-eps4-dp-sgda.toml", src, "# Tuned by a test.\n")
+    written = tune.transfer_tuned("celeba", "mnist-st", 4.0, ["dp-sgda", "dp-sgd"], configs)
+    assert list(written) == ["dp-sgda"]  # dp-sgd has no source file: skipped
+    with open(written["dp-sgda"], "rb") as f:
+        got = tomllib.load(f)
+    cfg = Config.from_mapping(got)
+    assert (cfg.dataset, cfg.lr_x, cfg.lr_p, cfg.lambda_, cfg.logit_adjust_tau) == ("celeba", 8.0, 0.2, 0.1, 1.0)
+    assert (cfg.refresh_batch, cfg.diff_batch, cfg.iterations) == (1024, 512, 300)  # celeba: batch-scale 0.5
+    assert cfg.eval_split == "test" and cfg.validation_fraction == 0.0
+    assert written["dp-sgda"].read_text().startswith("# Transferred by `dpdro tune --dataset celeba --epsilon 4 "
+                                                     "--transfer-from mnist-st`")
+    assert tune.tuning_origin("celeba", 4.0, configs) == "transferred from mnist-st"
+    assert tune.tuning_origin("mnist-st", 4.0, configs) == "searched"
+    assert tune.tuning_origin("fashion-mnist-st", 4.0, configs) is None
+    assert "**transferred from mnist-st**" in _origin_line("celeba", 4.0, configs)
+    with pytest.raises(ValueError, match="no tuned config fashion-mnist-st-eps4"):
+        tune.transfer_tuned("celeba", "fashion-mnist-st", 4.0, ["dp-sgda"], configs)
+    with pytest.raises(ValueError, match="is the target"):
+        tune.transfer_tuned("celeba", "celeba", 4.0, ["dp-sgda"], configs)
+
+
 def test_main_job_is_the_tuned_best_configuration():
     """`make run` trains exactly the configuration `dpdro tune` selected for MNIST-ST at epsilon 4 (only the
     run directory, the evaluation and checkpoint cadence differ), so the quick start shows the goal-figure setting."""

@@ -153,7 +153,9 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
             cells = []
             for e in eps_cols:
                 rs = groups.get((ds, a, e))
-                cells += [_cell(rs, "test_accuracy"), _cell(rs, "worst_accuracy")] if rs else ["", ""]
+                # a cell with fewer seeds than the profile's says how many it has
+                few = f" (n={len(rs)})" if rs and len(rs) < len(profile.seeds) else ""
+                cells += [_cell(rs, "test_accuracy") + few, _cell(rs, "worst_accuracy") + few] if rs else ["", ""]
             n = max(len(groups.get((ds, a, e), [])) for e in eps_cols)
             lines.append(f"| {a} (n={n}) | " + " | ".join(cells) + " |")
         lines += ["", "DP-DRO against the strongest simple baseline (same tuning effort):", ""]

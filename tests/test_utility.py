@@ -401,8 +401,14 @@ def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goa
                 {"dataset": "mnist-st", "algorithm": algo, "epsilon_target": 4.0, "seed": seed,
                  "test_accuracy": acc + jitter, "worst_class_accuracy": worst + jitter, "epsilon_spent": 3.99,
                  "wall_seconds": 1.0}))
+    out = run_dir(root, "tuned", "mnist-st", "dp-sgd", 8.0, 0)  # one seed only at epsilon 8
+    out.mkdir(parents=True)
+    (out / "summary.json").write_text(json.dumps(
+        {"dataset": "mnist-st", "algorithm": "dp-sgd", "epsilon_target": 8.0, "seed": 0, "test_accuracy": 0.9,
+         "worst_class_accuracy": 0.3, "epsilon_spent": 7.99, "wall_seconds": 1.0}))
     write_toml(configs / "mnist-st-eps4-best.toml", {"algorithm": "dp-sgd-la"})
     text = write_report(root, "tuned", docs, configs).read_text()
+    assert "| 0.900 +/- 0.000 (n=1) | 0.300 +/- 0.000 (n=1) |" in text
     assert "**dp-sgd-la**" in text and "reaches test accuracy 0.880 +/- 0.010" in text and "goal **reached**" in text
     assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text
     assert "dp-double-spider -0.140 (worse)" in text and "recursive-spider +0.020 (better)" in text

@@ -132,7 +132,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     root, configs = Path(args.root), Path(args.configs)
     for ds in args.dataset:
-        if args.transfer_from:
+        if args.transfer_from:  # no trial ran: docs/TUNING.md (the trials of searches) is left as it is
             for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
                 print(f"{ds} eps {args.epsilon:g} {method}: transferred from {args.transfer_from} -> {path}")
             continue
@@ -143,6 +143,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for method, w in winners.items():
             print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']}, validation worst {w['val_worst']:.4f}, "
                   f"validation accuracy {w['val_accuracy']:.4f}")
+    if args.transfer_from:
+        return 0
     entries = sorted({(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/*")
                       if p.parent.parent.name in args.all_datasets}) if root.exists() else []
     print(f"report: {tuning_report(entries, args.methods, args.trials, root, Path(args.docs), args.seed)}")
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("tune", help="same-sized random search per method on a validation split; writes tuned "
                                     "configs and docs/TUNING.md (not privacy-accounted)")
-    s.add_argument("--dataset", nargs="+", default=["mnist-st"], choices=DATASETS)
+    s.add_argument("--dataset", nargs="+", default=["mnist-st"], choices=DATASETS, help="data sets to tune")
     s.add_argument("--epsilon", type=float, default=4.0)
     s.add_argument("--trials", type=int, default=8, help="trials per method (the same for every method)")
     s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -285,8 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--docs", default="docs", help="where TUNING.md goes")
     s.add_argument("--report", action="store_true", help="run nothing: write configs and TUNING.md from finished "
                                                          "trials")
-    s.add_argument("--transfer-from", choices=DATASETS, help="run nothing: write the data set's tuned configs from "
-                                                             "this data set's (no look at the target's data)")
+    s.add_argument("--transfer-from", choices=DATASETS, metavar="SOURCE",
+                   help="run nothing: write tuned configs for each --dataset from SOURCE's tuned configs (which "
+                        "must exist): each method keeps its searched keys, batch sizes scale and the other keys "
+                        "(e.g. CelebA's 300 iterations) follow the target; the target's data are not looked at "
+                        "and docs/TUNING.md is not touched")
     s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="membership-inference audit (loss threshold, LiRA); writes docs/AUDIT.md")
     s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])

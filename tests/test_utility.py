@@ -504,6 +504,16 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
         tune.transfer_tuned("celeba", "fashion-mnist-st", 4.0, ["dp-sgda"], configs)
     with pytest.raises(ValueError, match="is the target"):
         tune.transfer_tuned("celeba", "celeba", 4.0, ["dp-sgda"], configs)
+    # the command line: no trial runs, so the trials' document is left as it is
+    from dpdro.cli import main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "TUNING.md").write_text("trials of a search")
+    assert main(["tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
+                 "--configs", str(configs), "--docs", str(docs), "--root", str(tmp_path / "none")]) == 0
+    assert (docs / "TUNING.md").read_text() == "trials of a search"
+    assert tune.tuning_origin("fashion-mnist-st", 4.0, configs) == "transferred from mnist-st"
 
 
 def test_main_job_is_the_tuned_best_configuration():

@@ -131,11 +131,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from dpdro.simulations.tune import run_tune, transfer_tuned, tuning_report, write_tuned
 
     root, configs = Path(args.root), Path(args.configs)
-    for ds in args.dataset:
-        if args.transfer_from:  # no trial ran: docs/TUNING.md (the trials of searches) is left as it is
+    if args.transfer_from:  # no trial runs: docs/TUNING.md (the trials of searches) is left as it is
+        for ds in args.dataset:
             for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
                 print(f"{ds} eps {args.epsilon:g} {method}: transferred from {args.transfer_from} -> {path}")
-            continue
+        return 0
+    for ds in args.dataset:
         if args.report:
             winners = write_tuned(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed)
         else:
@@ -143,8 +144,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for method, w in winners.items():
             print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']}, validation worst {w['val_worst']:.4f}, "
                   f"validation accuracy {w['val_accuracy']:.4f}")
-    if args.transfer_from:
-        return 0
     entries = sorted({(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/*")
                       if p.parent.parent.name in args.all_datasets}) if root.exists() else []
     print(f"report: {tuning_report(entries, args.methods, args.trials, root, Path(args.docs), args.seed)}")

@@ -91,12 +91,11 @@ def best_method_of(configs: Path) -> str | None:
 
 
 def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
-    """Where the data set's hyper-parameters came from (tune.tuning_origin), as a sentence."""
-    from .tune import tuning_origin
+    """Where the data set's hyper-parameters came from (tune.transferred_from), as a sentence."""
+    from .tune import transferred_from
 
-    origin = tuning_origin(dataset, epsilon, configs)
-    if origin and origin.startswith("transferred from "):
-        source = origin.removeprefix("transferred from ")
+    source = transferred_from(dataset, epsilon, configs)
+    if source:
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
                 f"so none of its data chose anything (equal tuning effort: every method's keys come from the same "

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.rng import derived_rng
+from .sweep import tuned_config_path
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], trials: int, r
                   f"{win['trial']} of {method}, validation accuracy {win['val_accuracy']:.4f}, validation worst "
                   f"{win['val_worst']:.4f}.\n# Trains on the whole training split, evaluates on the test split. "
                   "The search itself is not privacy-accounted (docs/TUNING.md).\n")
-        write_toml(configs / "tuned" / f"{dataset}-eps{epsilon:g}-{method}.toml", keys, header)
+        write_toml(tuned_config_path(dataset, epsilon, method, configs / "tuned"), keys, header)
     if winners:
         method, win = max(winners.items(), key=lambda kv: (kv[1]["val_worst"], kv[1]["val_accuracy"]))
         keys = {**final_keys(load_run_config(win["out_dir"])), "out-dir": f"runs/{dataset}-eps{epsilon:g}-best"}
@@ -255,20 +256,20 @@ def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str],
     written = {}
     src_scale = PER_DATASET.get(source, {}).get("batch-scale", 1.0)
     for method in methods:
-        path = configs / "tuned" / f"{source}-eps{epsilon:g}-{method}.toml"
+        path = tuned_config_path(source, epsilon, method, configs / "tuned")
         if not path.exists():
             log.warning("no tuned config %s: %s is not transferred", path, method)
             continue
-        with open(path, "rb") as f:
-            src = tomllib.load(f)
+        text = path.read_text()
+        src = tomllib.loads(text)
         keys = {k: src[k] for k in SPACES[method] if k in src}
         keys["refresh-batch"] = int(round(src["refresh-batch"] / src_scale))
         cfg = trial_config(target, epsilon, method, keys, configs / "unused")
-        origin = path.read_text().splitlines()[0].lstrip("# ").rstrip(".")
+        origin = text.splitlines()[0].lstrip("# ").rstrip(".")
         header = (f"{TRANSFER_MARK} by `dpdro tune --dataset {target} --epsilon {epsilon:g} --transfer-from {source}`: "
                   f"the searched keys of {path.name} ({origin}); no trial on {target}.\n# Trains on the whole "
                   "training split, evaluates on the test split. Nothing of this data set chose these keys.\n")
-        out = configs / "tuned" / f"{target}-eps{epsilon:g}-{method}.toml"
+        out = tuned_config_path(target, epsilon, method, configs / "tuned")
         write_toml(out, final_keys(cfg), header)
         written[method] = out
     if not written:
@@ -277,16 +278,14 @@ def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str],
     return written
 
 
-def tuning_origin(dataset: str, epsilon: float, configs: Path) -> str | None:
-    """'transferred from S' when the data set's tuned files were written by ``transfer_tuned`` (their first line
-    says so), 'searched' when they came from a search on the data set, None when there is none."""
-    files = sorted((configs / "tuned").glob(f"{dataset}-eps{epsilon:g}-*.toml"))
+def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
+    """The source data set when the data set's tuned files were written by ``transfer_tuned`` (their first line
+    says so); None when they came from a search on the data set or there are none."""
+    files = sorted((configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name))
     if not files:
         return None
     first = files[0].read_text().splitlines()[0]
-    if first.startswith(TRANSFER_MARK):
-        return "transferred from " + first.split("--transfer-from ")[1].split("`")[0]
-    return "searched"
+    return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None
 
 
 def write_toml(path: Path, keys: dict, header: str = "") -> None:
@@ -344,5 +343,5 @@ def space_size(method: str) -> int:
     return math.prod(len(v) for v in SPACES[method].values())
 
 
-__all__ = ["run_tune", "transfer_tuned", "tuning_origin", "trial_keys", "best_trial", "write_tuned",
+__all__ = ["run_tune", "transfer_tuned", "transferred_from", "trial_keys", "best_trial", "write_tuned",
            "tuning_report", "METHODS", "SPACES", "space_size"]

@@ -496,9 +496,10 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     assert cfg.eval_split == "test" and cfg.validation_fraction == 0.0
     assert written["dp-sgda"].read_text().startswith("# Transferred by `dpdro tune --dataset celeba --epsilon 4 "
                                                      "--transfer-from mnist-st`")
-    assert tune.tuning_origin("celeba", 4.0, configs) == "transferred from mnist-st"
-    assert tune.tuning_origin("mnist-st", 4.0, configs) == "searched"
-    assert tune.tuning_origin("fashion-mnist-st", 4.0, configs) is None
+    assert tune.transferred_from("celeba", 4.0, configs) == "mnist-st"
+    assert tune.transferred_from("mnist-st", 4.0, configs) is None  # searched
+    assert tune.transferred_from("fashion-mnist-st", 4.0, configs) is None  # no file
+    assert "searched on mnist-st" in _origin_line("mnist-st", 4.0, configs)
     assert "**transferred from mnist-st**" in _origin_line("celeba", 4.0, configs)
     with pytest.raises(ValueError, match="no tuned config fashion-mnist-st-eps4"):
         tune.transfer_tuned("celeba", "fashion-mnist-st", 4.0, ["dp-sgda"], configs)
@@ -513,7 +514,7 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     assert main(["tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
                  "--configs", str(configs), "--docs", str(docs), "--root", str(tmp_path / "none")]) == 0
     assert (docs / "TUNING.md").read_text() == "trials of a search"
-    assert tune.tuning_origin("fashion-mnist-st", 4.0, configs) == "transferred from mnist-st"
+    assert tune.transferred_from("fashion-mnist-st", 4.0, configs) == "mnist-st"
 
 
 def test_main_job_is_the_tuned_best_configuration():

@@ -50,6 +50,7 @@ class ShardWorker:
 
     @property
     def num_records(self) -> int:
+        """Records in this client's shard."""
         return int(self.y.shape[0])
 
     def sample(self, query: Query) -> np.ndarray:

@@ -60,6 +60,7 @@ class ArrayDataset:
         return int(self.y.shape[0])
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
+        """The records at ``idx`` (int array, any order, repeats allowed) as a new ArrayDataset."""
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)

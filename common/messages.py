@@ -72,16 +72,20 @@ class Query:
         return self.clip * math.sqrt(1.0 + self.count_scale**2) if self.count_scale > 0 else self.clip
 
     def point_coefs(self) -> tuple[float, ...]:
+        """Coefficient of each point's gradient in the reply: ``coefs`` if given, else (1,) for one point and
+        (1, -1) for a SPIDER difference (new minus old)."""
         if self.coefs:
             return self.coefs
         return (1.0,) if len(self.points) == 1 else (1.0, -1.0)
 
     @property
     def qid(self) -> str:
+        """Query id '<iteration>:<mechanism>', unique within a run."""
         return f"{self.iteration}:{self.mechanism}"
 
     @property
     def versions(self) -> tuple[int, ...]:
+        """Model versions the query reads, one per point."""
         return tuple(p.version for p in self.points)
 
 

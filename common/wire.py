@@ -36,6 +36,8 @@ def query_from_dict(c) -> Query:
 
 
 def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> RecordDict:
+    """Flower RecordDict of one round's queries (ConfigRecords q0, q1, ...) and the model versions they
+    read (ArrayRecord 'versions': version -> flat float array (P,)). Inverse: ``unpack_queries``."""
     rd = RecordDict()
     for i, q in enumerate(queries):
         rd[f"q{i}"] = ConfigRecord(query_to_dict(q))
@@ -44,6 +46,7 @@ def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> Recor
 
 
 def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
+    """(queries in order, version -> flat parameters) from a RecordDict written by ``pack_queries``."""
     queries = []
     i = 0
     while f"q{i}" in rd:
@@ -54,6 +57,8 @@ def unpack_queries(rd: RecordDict) -> tuple[list[Query], dict[int, np.ndarray]]:
 
 
 def pack_replies(replies: list[Reply]) -> RecordDict:
+    """Flower RecordDict of a client's replies: ConfigRecords r0, r1, ... (qid, partition, count) and the
+    float64 totals (D,) in ArrayRecord 'totals'. Inverse: ``unpack_replies``."""
     rd = RecordDict()
     totals = {}
     for i, r in enumerate(replies):
@@ -64,6 +69,7 @@ def pack_replies(replies: list[Reply]) -> RecordDict:
 
 
 def unpack_replies(rd: RecordDict) -> list[Reply]:
+    """The replies, in order, from a RecordDict written by ``pack_replies``."""
     out = []
     i = 0
     while f"r{i}" in rd:

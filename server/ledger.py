@@ -144,9 +144,11 @@ class Ledger:
 
     @property
     def private(self) -> bool:
+        """False in a non-private run (epsilon = inf)."""
         return math.isfinite(self.epsilon)
 
     def noise_multiplier(self, mechanism: str) -> float:
+        """The calibrated noise multiplier z of ``mechanism`` (noise std = z x its L2 sensitivity)."""
         return self.noise[mechanism]
 
     def _counts(self, extra_release: tuple[float, float] | None = None) -> Counter:
@@ -196,5 +198,6 @@ class Ledger:
         return {"spent": dict(self.spent), "extra": [[r, z, n] for (r, z), n in self.extra.items()]}
 
     def load_state(self, state: Mapping) -> None:
+        """Restore what ``state`` recorded (resuming from a checkpoint)."""
         self.spent = Counter({k: int(v) for k, v in state["spent"].items()})
         self.extra = Counter({(float(r), float(z)): int(n) for r, z, n in state["extra"]})

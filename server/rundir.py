@@ -48,6 +48,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
+    """The JSON value stored at ``path`` (as written by ``write_json``)."""
     with open(path) as f:
         return json.load(f)
 
@@ -65,6 +66,7 @@ class RunDir:
         self.plots = self.path / "plots"
 
     def create(self) -> None:
+        """Create the run directory (and its parents) if missing."""
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_metrics(self, rows: list[dict]) -> None:
@@ -104,6 +106,7 @@ class RunDir:
         atomic_write_bytes(self.checkpoint, buf.getvalue())
 
     def load_checkpoint(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, meta) as written by ``save_checkpoint``."""
         with np.load(self.checkpoint) as z:
             arrays = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(bytes(z["__meta__"]).decode())

@@ -81,6 +81,7 @@ PROFILES = {
 
 
 def run_dir(root: Path, profile: str, dataset: str, algorithm: str, eps: float, seed: int) -> Path:
+    """Run directory of one sweep run: <root>/<profile>/<dataset>/<algorithm>/eps<e>/seed<s>."""
     return root / profile / dataset / algorithm / f"eps{eps:g}" / f"seed{seed}"
 
 

@@ -64,6 +64,8 @@ class Field:
         lb = "(" if self.low_open or self.low is None else "["
         rb = ")" if (self.high_open or self.high is None) and not self.allow_inf else "]"
         text = f"{'an integer' if self.kind == 'int' else 'a number'} in {lb}{lo}, {hi}{rb}"
+        if self.allow_inf and self.high is not None:
+            text += " or inf"
         if self.auto:
             text += " or 'auto'"
         return text

@@ -376,6 +376,9 @@ def _not_accounted(cfg: Config, setup) -> list[str]:
     if cfg.noise_mode == "distributed":
         out.append("SecAgg+ quantisation: the rounding of each client's noised sum (bounded and reported per "
                    "release) is not modelled by the Gaussian accounting")
+    if cfg.private:  # assumptions every private run makes (README, 'What is private')
+        out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
+                "floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)"]
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
 
 

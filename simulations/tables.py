@@ -103,6 +103,27 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
     return f"Hyper-parameters: searched on {dataset} (docs/TUNING.md)."
 
 
+def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> str | None:
+    """A sentence naming the SPIDER-type methods (those with 'q' in their search space) whose tuned config of
+    ``dataset`` has q = 1, i.e. a refresh every iteration and no difference release; None if there is none."""
+    import tomllib
+
+    from .sweep import tuned_config_path
+    from .tune import SPACES
+
+    plain = []
+    for method in methods:
+        path = tuned_config_path(dataset, epsilon, method, configs / "tuned")
+        if "q" in SPACES.get(method, {}) and path.exists():
+            with open(path, "rb") as f:
+                if tomllib.load(f).get("q") == 1:
+                    plain.append(method)
+    if not plain:
+        return None
+    return (f"Selected q = 1 (a refresh every iteration, no SPIDER difference releases): {', '.join(plain)}; "
+            "these rows measure the method without its variance-reduced estimator.")
+
+
 def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plots: list[Path]) -> Path:
     """docs/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -149,6 +170,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
                           f"--only-dataset {ds}`).", ""]
             continue
         lines += [_origin_line(ds, profile.tuned_at, configs), ""]
+        plain = no_difference_line(ds, profile.tuned_at, configs, have)
+        lines += [plain, ""] if plain else []
         header = "| method | " + " | ".join(f"eps {e:g}: accuracy | eps {e:g}: worst" for e in eps_cols) + " |"
         lines += [header, "|---|" + "---|" * (2 * len(eps_cols))]
         for a in have:

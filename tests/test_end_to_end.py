@@ -41,6 +41,8 @@ def test_single_node_run_writes_run_directory(small_config):
     assert len(events) == 12 and {e["mechanism"] for e in events} == set(out["releases"])
     assert all(e["noise_multiplier"] > 0 for e in events)
     assert json.load(open(f"{run}/config.json"))["n"] == 3000
+    # n is released exactly, so a private run states that it treats n as public (add/remove adjacency).
+    assert any(s.startswith("n and the clients' shard sizes") for s in out["not_accounted"])
 
 
 def test_reproducible_runs_are_identical_and_seeds_differ(small_config, tmp_path):
@@ -57,6 +59,7 @@ def test_non_private_run_says_so(small_config):
     assert result.summary["private"] is False
     assert result.summary["epsilon_spent"] == float("inf")
     assert any("not private" in s for s in result.summary["not_accounted"])
+    assert not any(s.startswith("n and the clients' shard sizes") for s in result.summary["not_accounted"])
 
 
 def test_resume_after_stop_gives_same_result(small_config, tmp_path):

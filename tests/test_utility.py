@@ -407,7 +407,11 @@ def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goa
         {"dataset": "mnist-st", "algorithm": "dp-sgd", "epsilon_target": 8.0, "seed": 0, "test_accuracy": 0.9,
          "worst_class_accuracy": 0.3, "epsilon_spent": 7.99, "wall_seconds": 1.0}))
     write_toml(configs / "mnist-st-eps4-best.toml", {"algorithm": "dp-sgd-la"})
+    write_toml(configs / "tuned" / "mnist-st-eps4-dp-double-spider.toml", {"algorithm": "dp-double-spider", "q": 1})
+    write_toml(configs / "tuned" / "mnist-st-eps4-recursive-spider.toml", {"algorithm": "recursive-spider", "q": 5})
     text = write_report(root, "tuned", docs, configs).read_text()
+    # only the SPIDER-type method tuned to q = 1 is named as running without differences
+    assert "no SPIDER difference releases): dp-double-spider; these rows" in text
     assert "| 0.900 +/- 0.000 (n=1) | 0.300 +/- 0.000 (n=1) |" in text
     assert "**dp-sgd-la**" in text and "reaches test accuracy 0.880 +/- 0.010" in text and "goal **reached**" in text
     assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text

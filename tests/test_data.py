@@ -62,3 +62,19 @@ def test_even_subset_is_deterministic_and_spread():
     assert len(idx) == 3000 and idx[0] == 0 and idx[-1] == 30_017
     assert np.array_equal(idx, even_subset(30_018, 3000))
     assert even_subset(10, 0).tolist() == list(range(10))
+
+
+def test_flower_simulation_refuses_missing_data_before_flower_starts(tmp_path, monkeypatch):
+    import subprocess
+
+    from dpdro.common.config import Config
+    from dpdro.server.simulate import run_simulation
+
+    def no_flower(*args, **kwargs):
+        raise AssertionError("flwr was started although the data is missing")
+
+    monkeypatch.setattr(subprocess, "run", no_flower)
+    cfg = Config.from_mapping({"dataset": "mnist-st", "data-root": str(tmp_path / "empty"),
+                               "cache-dir": str(tmp_path / "cache"), "out-dir": str(tmp_path / "run")})
+    with pytest.raises(DataError, match="MNIST not found"):
+        run_simulation(cfg)

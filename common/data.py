@@ -355,6 +355,16 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
                         None if groups is None else groups[t].clone(), 4 if groups is not None else 0)
 
 
+def data_missing(cfg) -> str | None:
+    """Why the data set of a ``Config`` cannot be used here (the DataError's message: where it looked, what to
+    set), or None when it can; checked by loading the evaluation split, so call it before starting any work."""
+    try:
+        load_from_config(cfg, False)
+    except DataError as e:
+        return str(e)
+    return None
+
+
 def load_from_config(cfg, train: bool | str) -> ArrayDataset:
     """A split described by a ``Config``: True / 'train' the training split (without any validation part);
     False / 'eval' the split named by config key eval-split ('test', or 'validation' = 'val'); or 'test' / 'val'

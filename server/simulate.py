@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from ..common.config import Config
-from ..common.data import load_from_config, resolve_cache_dir, resolve_data_root
+from ..common.data import DataError, data_missing, resolve_cache_dir, resolve_data_root
 from .rundir import RunDir, read_json
 
 LOCAL_SUPERLINK_HEALTH = "http://127.0.0.1:39091/health"
@@ -104,7 +104,9 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve()),
                             "data-root": str(resolve_data_root(cfg.data_root).resolve()),
                             "cache-dir": str(resolve_cache_dir(cfg.cache_dir).resolve())})
-    load_from_config(cfg, False)  # missing data: the clear DataError now, not from inside the ServerApp later
+    missing = data_missing(cfg)  # the clear DataError now, not from inside the ServerApp after Flower started
+    if missing:
+        raise DataError(missing)
     env = dict(os.environ)
     flwr_home = Path(env.setdefault("FLWR_HOME", str(app_dir / ".flwr"))).resolve()
     env["FLWR_HOME"] = str(flwr_home)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.config import Config
-from ..common.data import DataError
+from ..common.data import DataError, data_missing
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     missing = {}
     for cfg in todo:  # find missing data sets before starting anything
         if cfg.dataset not in missing:
-            missing[cfg.dataset] = _data_missing(cfg)
+            missing[cfg.dataset] = data_missing(cfg)
     runnable = [c for c in todo if not missing[c.dataset]]
     for ds, why in missing.items():
         if why:
@@ -155,16 +155,6 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     counts["missing-data"] = len(todo) - len(runnable)
     counts["done"] = len(run_many(runnable, jobs, f"sweep {profile_name}"))
     return counts
-
-
-def _data_missing(cfg: Config) -> str | None:
-    from ..common.data import load_from_config
-
-    try:
-        load_from_config(cfg.with_updates({"max-train-records": 0}), False)
-    except DataError as e:
-        return str(e)
-    return None
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -74,9 +74,9 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
 def _data_missing(dataset: str) -> str | None:
     """Why the data set cannot be loaded here (DataError's message), or None when it can."""
     from ..common.config import Config
-    from .sweep import _data_missing as missing
+    from ..common.data import data_missing
 
-    return missing(Config.from_mapping({"dataset": dataset}))
+    return data_missing(Config.from_mapping({"dataset": dataset}))
 
 
 def best_method_of(configs: Path) -> str | None:

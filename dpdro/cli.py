@@ -100,11 +100,30 @@ def _print_summary(s: dict, out_dir: str) -> None:
           f"at delta {s['delta']:.3g}, {s['wall_seconds']:.1f} s{private}\nrun directory: {out_dir}")
 
 
+def _own_children():
+    """For commands that start Flower processes: this process becomes their subreaper, and whatever is
+    still below it when the command ends (also by SIGTERM or Ctrl-C) is stopped by PID."""
+    import contextlib
+
+    from dpdro.server.processes import become_subreaper, stop_descendants
+
+    @contextlib.contextmanager
+    def scope():
+        become_subreaper()
+        try:
+            yield
+        finally:
+            stop_descendants()
+
+    return scope()
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dpdro.server.simulate import run_simulation
 
     cfg = config_from_args(args)
-    summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
+    with _own_children():
+        summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
     _print_summary(summary, cfg.out_dir)
     return 0
 
@@ -218,8 +237,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if "num-clients" not in given:  # one partition per SuperNode
         cfg = cfg.with_updates({"num-clients": args.nodes})
     try:
-        summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=args.app, stream=not args.quiet,
-                                         superlink_port=args.superlink_port, supernode_port=args.supernode_port)
+        with _own_children():
+            summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=args.app,
+                                             stream=not args.quiet, superlink_port=args.superlink_port,
+                                             supernode_port=args.supernode_port, fleet_port=args.fleet_port)
     except DeploymentError as e:
         print(f"dpdro: deployment failed: {e}", file=sys.stderr)
         return 1
@@ -349,7 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
     s.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
     s.add_argument("--work-dir", default=".flwr/deploy", help="certificates, FLWR_HOMEs, logs")
-    s.add_argument("--superlink-port", type=int, default=None, help="default: first free port from 18000")
+    s.add_argument("--superlink-port", type=int, default=None,
+                   help="SuperLink port on 127.0.0.1 (Control API: operator only); default: first free from 18000")
+    s.add_argument("--fleet-port", type=int, default=None,
+                   help="port of the Fleet-only gateway the SuperNodes use; default: first free from 19092")
     s.add_argument("--supernode-port", type=int, default=None, help="first SuperNode port (default: from 19094)")
     s.add_argument("--app", default=".", help="Flower app directory (the project root)")
     s.add_argument("--quiet", action="store_true", help="do not stream the run's log")

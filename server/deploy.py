@@ -1,5 +1,6 @@
 """Loopback deployment: a real Flower SuperLink and N SuperNodes on 127.0.0.1 with TLS and SuperNode
-authentication, a run submitted with ``flwr run <app> <connection>`` and waited on with ``flwr ls``.
+authentication, the SuperNodes reaching it through the Fleet-only gateway, a run submitted with
+``flwr run <app> <connection>`` and waited on with ``flwr ls``.
 
 This is the deployment of a real federation (FLOWER.md 3.5, 3.6) with every process on one host, so it can
 run in CI. What it does, in order:
@@ -7,16 +8,21 @@ run in CI. What it does, in order:
 1. certificates in ``<work>/certs`` (``server.certs``: CA, SuperLink certificate with SANs localhost and
    127.0.0.1, one P-384 authentication key pair per node), reused when they already exist;
 2. ``flower-superlink --ssl-ca-certfile --ssl-certfile --ssl-keyfile --enable-supernode-auth
-   --disable-runtime-dependency-installation --host 127.0.0.1 --port P`` (Runtime, Control and Fleet API on
-   one HTTPS port), FLWR_HOME ``<work>/superlink``;
-3. ``flwr supernode register <node>.pub <connection>`` for each node (the CLI's FLWR_HOME ``<work>/cli``
-   holds the connection: address and root certificate);
-4. ``flower-supernode --root-certificates ca.crt --superlink 127.0.0.1:P --auth-supernode-private-key <node>
+   --disable-runtime-dependency-installation --host 127.0.0.1 --port P`` (Flower 1.42 serves the Runtime,
+   Control and Fleet API on this one HTTPS port, so it listens on the operator's host only), FLWR_HOME
+   ``<work>/superlink``; the process listening on P is checked to be the one started here;
+3. the Fleet-only gateway (``server.fleet_gateway``) on port F: the only port the SuperNodes use; it
+   forwards ``POST /v1/fleet/*`` to P and refuses the Control and Runtime APIs (no registering, no listing
+   runs from the site side);
+4. ``flwr supernode register <node>.pub <connection>`` for each node, by the operator over P (the CLI's
+   FLWR_HOME ``<work>/cli`` holds the connection: address and root certificate);
+5. ``flower-supernode --root-certificates ca.crt --superlink 127.0.0.1:F --auth-supernode-private-key <node>
    --node-config "partition-id=i num-partitions=N ..." --port Q_i``, FLWR_HOME ``<work>/node-i``;
-5. ``flwr run <app> <connection> --format json --run-config ...``, then ``flwr ls <connection> --run-id ID``
+6. ``flwr run <app> <connection> --format json --run-config ...``, then ``flwr ls <connection> --run-id ID``
    until the status is ``finished:*`` (``flwr run`` exits 0 even when the ServerApp fails: FLOWER.md 3.3);
-6. every process this module started is stopped by its PID (its process group, then its remaining
-   descendants by PID), always, also after a failure or Ctrl-C.
+7. every process this module started is stopped by its PID (its process group, then its remaining
+   descendants by PID), always, also after a failure, Ctrl-C or SIGTERM (``deploy_config`` turns SIGTERM
+   into an exception so the cleanup runs: ``server.processes``).
 
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` is set for every process, so no ``uv sync`` runs and
 the apps run in this Python environment (FLOWER.md pitfall 14). Logs of every process are in ``<work>/logs``.
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -39,11 +44,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .certs import CertSet, create_certificates
+from .processes import alive, descendants, listener_pids, stop_on_signals, stop_tree
+
+__all__ = ["CONNECTION", "DeploymentError", "LoopbackDeployment", "RunOutcome", "alive", "deploy_config",
+           "descendants", "free_ports", "override_string", "port_free"]
 
 CONNECTION = "dpdro-loopback"
 HOST = "127.0.0.1"
 DEFAULT_SUPERLINK_PORT = 18000
 DEFAULT_SUPERNODE_PORT = 19094
+DEFAULT_FLEET_PORT = 19092
 
 
 class DeploymentError(RuntimeError):
@@ -94,38 +104,6 @@ def free_ports(start: int, count: int, avoid: Sequence[int] = ()) -> list[int]:
     raise DeploymentError(f"no {count} free ports in {start}..{start + 999} on {HOST}; pass other base ports")
 
 
-def _children(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid`` (Linux /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every living descendant PID of ``pid`` (children first, then theirs)."""
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 @dataclass
 class _Proc:
     name: str
@@ -135,7 +113,9 @@ class _Proc:
 
 
 class LoopbackDeployment:
-    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 with TLS and SuperNode authentication.
+    """A SuperLink, its Fleet-only gateway and ``num_nodes`` SuperNodes on 127.0.0.1 with TLS and SuperNode
+    authentication. The SuperLink's own port (Control, Runtime and Fleet API) is for the operator: the ``flwr``
+    CLI and the ServerApp executor; the SuperNodes use the gateway's port (``fleet_address``).
 
     Args:
         work_dir: folder for certificates (``certs/``), per-process FLWR_HOME folders, the SuperLink
@@ -145,6 +125,8 @@ class LoopbackDeployment:
             (e.g. ``{"data-root": "/data"}``); None for none.
         superlink_port: HTTPS port of the SuperLink (None: the first free port from 18000).
         supernode_port: first port of the SuperNodes' local Runtime APIs (None: free ports from 19094).
+        fleet_port: port of the Fleet-only gateway, the one the SuperNodes connect to (None: the first free
+            port from 19092).
         env: extra environment for every process.
         startup_timeout: seconds to wait for the SuperLink to answer and the nodes to come online.
 
@@ -155,7 +137,7 @@ class LoopbackDeployment:
     def __init__(self, work_dir: str | os.PathLike, num_nodes: int = 2,
                  node_configs: Sequence[Mapping[str, object]] | None = None, superlink_port: int | None = None,
                  supernode_port: int | None = None, env: Mapping[str, str] | None = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 120.0, fleet_port: int | None = None) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         if node_configs is not None and len(node_configs) != num_nodes:
@@ -168,6 +150,7 @@ class LoopbackDeployment:
             self.node_ports = list(range(supernode_port, supernode_port + num_nodes))
         else:
             self.node_ports = free_ports(DEFAULT_SUPERNODE_PORT, num_nodes, avoid=[self.link_port])
+        self.fleet_port = fleet_port or free_ports(DEFAULT_FLEET_PORT, 1, avoid=[self.link_port, *self.node_ports])[0]
         self.extra_env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.names = [f"supernode-{i + 1}" for i in range(num_nodes)]
@@ -198,6 +181,24 @@ class LoopbackDeployment:
                 "--host", HOST, "--port", str(self.link_port),
                 "--database", str(self.work / "superlink" / "state.db")]
 
+    @property
+    def control_address(self) -> str:
+        """host:port of the SuperLink (Control API for the operator's ``flwr``; never given to a site)."""
+        return f"{HOST}:{self.link_port}"
+
+    @property
+    def fleet_address(self) -> str:
+        """host:port of the Fleet-only gateway: what a site's ``flower-supernode --superlink`` gets."""
+        return f"{HOST}:{self.fleet_port}"
+
+    def gateway_command(self) -> list[str]:
+        """The Fleet-only gateway's command line (TLS with the SuperLink's certificate, upstream verified
+        with the CA)."""
+        assert self.certs is not None
+        return [sys.executable, "-m", "dpdro.server.fleet_gateway", "--listen", self.fleet_address,
+                "--superlink", self.control_address, "--ssl-certfile", str(self.certs.server_cert),
+                "--ssl-keyfile", str(self.certs.server_key), "--root-certificates", str(self.certs.ca_cert)]
+
     def node_config_string(self, i: int) -> str:
         """--node-config of node ``i``: partition-id, num-partitions and the node's extra keys (strings quoted
         as TOML, as Flower parses them)."""
@@ -219,7 +220,7 @@ class LoopbackDeployment:
         assert self.certs is not None
         priv, _ = self.certs.node_keys[self.names[i]]
         return [_bin("flower-supernode"), "--root-certificates", str(self.certs.ca_cert),
-                "--superlink", f"{HOST}:{self.link_port}", "--auth-supernode-private-key", str(priv),
+                "--superlink", self.fleet_address, "--auth-supernode-private-key", str(priv),
                 "--node-config", self.node_config_string(i), "--host", HOST, "--port", str(self.node_ports[i])]
 
     def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -244,24 +245,29 @@ class LoopbackDeployment:
                 raise DeploymentError(f"{p.name} exited with code {p.popen.returncode}; log {p.log}:\n"
                                       f"{tail(p.log)}")
 
-    def _wait_superlink(self) -> None:
+    def _wait_listening(self, proc: _Proc, port: int) -> None:
+        """Wait until ``proc`` answers over TLS (our CA) on ``port`` and check that the listener on that port
+        is ``proc`` itself, not a process this deployment did not start."""
         assert self.certs is not None
         ctx = ssl.create_default_context(cafile=str(self.certs.ca_cert))
         deadline = time.monotonic() + self.startup_timeout
-        url = f"https://{HOST}:{self.link_port}/health"
+        url = f"https://{HOST}:{port}/health"
         while True:
             self._check_running()
             try:
                 with urllib.request.urlopen(url, timeout=2, context=ctx):
-                    return
+                    break
             except urllib.error.HTTPError:  # it answers over TLS with our CA: up
-                return
+                break
             except (OSError, ssl.SSLError):
                 pass
             if time.monotonic() > deadline:
-                raise DeploymentError(f"the SuperLink did not answer on {url} within {self.startup_timeout:g} s; "
-                                      f"log {self.procs[0].log}:\n{tail(self.procs[0].log)}")
+                raise DeploymentError(f"{proc.name} did not answer on {url} within {self.startup_timeout:g} s; "
+                                      f"log {proc.log}:\n{tail(proc.log)}")
             time.sleep(0.2)
+        if not listener_pids(port, [proc.popen.pid, *descendants(proc.popen.pid)]):
+            raise DeploymentError(f"port {port} on {HOST} answers, but not from the {proc.name} started here "
+                                  f"(PID {proc.popen.pid}); another process holds it. Choose other ports.")
 
     def _write_cli_config(self) -> None:
         assert self.certs is not None
@@ -286,15 +292,17 @@ class LoopbackDeployment:
             self.work.mkdir(parents=True, exist_ok=True)
             self.logs.mkdir(parents=True, exist_ok=True)
             self.certs = create_certificates(self.work / "certs", self.names, ("localhost", HOST), reuse=True)
-            for port in [self.link_port, *self.node_ports]:
+            for port in [self.link_port, self.fleet_port, *self.node_ports]:
                 if not port_free(port):
                     raise DeploymentError(f"port {port} on {HOST} is in use; choose other ports "
-                                          f"(--superlink-port / --supernode-port)")
+                                          f"(--superlink-port / --fleet-port / --supernode-port)")
             (self.work / "superlink").mkdir(parents=True, exist_ok=True)
             (self.work / "superlink" / "state.db").unlink(missing_ok=True)  # a fresh federation each time
-            self._spawn("superlink", self.superlink_command(), self.work / "superlink")
+            link = self._spawn("superlink", self.superlink_command(), self.work / "superlink")
             self._write_cli_config()
-            self._wait_superlink()
+            self._wait_listening(link, self.link_port)
+            gateway = self._spawn("fleet-gateway", self.gateway_command(), self.work / "fleet-gateway")
+            self._wait_listening(gateway, self.fleet_port)
             for name in self.names:
                 out = self.flwr("supernode", "register", str(self.certs.node_keys[name][1]), CONNECTION,
                                 "--name", name, "--format", "json")
@@ -358,7 +366,7 @@ class LoopbackDeployment:
         finally:
             if log_proc is not None:
                 time.sleep(1.0)  # let the stream flush its last lines
-                _stop_group(log_proc.pid, [])
+                stop_tree([log_proc.pid], grace=5.0)
         seconds = time.monotonic() - start
         log_tail = ""
         if status != "finished:completed":
@@ -379,18 +387,18 @@ class LoopbackDeployment:
         return out
 
     def stop(self, grace: float = 10.0) -> list[int]:
-        """Stop every process this deployment started, by PID: SIGTERM to each process group and to each
-        known descendant, then SIGKILL what is left after ``grace`` seconds. Returns the PIDs still alive
-        afterwards (empty when all stopped)."""
-        for p in reversed(self.procs):  # nodes first, the SuperLink last
+        """Stop every process this deployment started, by PID: the whole tree (each process, its process
+        group and every descendant, listed before the first signal) gets SIGTERM, then SIGKILL what is left
+        after ``grace`` seconds. Returns the PIDs still alive afterwards (empty when all stopped)."""
+        for p in self.procs:
             p.known.update(descendants(p.popen.pid))
-            _stop_group(p.popen.pid, sorted(p.known), grace=grace)
+        stop_tree([p.popen.pid for p in self.procs], [pid for p in self.procs for pid in p.known], grace=grace)
+        for p in self.procs:
             try:
                 p.popen.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
-        left = [pid for p in self.procs for pid in [p.popen.pid, *p.known] if alive(pid)]
-        return left
+        return [pid for p in self.procs for pid in [p.popen.pid, *p.known] if alive(pid)]
 
     def __enter__(self) -> LoopbackDeployment:
         return self.start()
@@ -399,40 +407,6 @@ class LoopbackDeployment:
         left = self.stop()
         if left and exc[0] is None:
             raise DeploymentError(f"processes {left} did not stop")
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_group(leader: int, known: Sequence[int], grace: float = 10.0) -> None:
-    """SIGTERM the process group of ``leader`` (a session leader we started) and each PID in ``known``;
-    SIGKILL whatever is alive after ``grace`` seconds."""
-    try:
-        os.killpg(leader, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in known:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    targets = [leader, *known]
-    while time.monotonic() < deadline and any(alive(pid) for pid in targets):
-        time.sleep(0.1)
-    for pid in targets:
-        if alive(pid):
-            _signal(pid, signal.SIGKILL)
-    try:
-        os.killpg(leader, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in targets:  # reap our own children so they leave no zombies
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -455,13 +429,14 @@ def override_string(cfg, fmt) -> str:
 def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str | os.PathLike = ".",
                   node_data_root: str | None = None, node_cache_dir: str | None = None, stream: bool = True,
                   timeout: float = 24 * 3600, superlink_port: int | None = None,
-                  supernode_port: int | None = None) -> tuple[dict, RunOutcome]:
+                  supernode_port: int | None = None, fleet_port: int | None = None) -> tuple[dict, RunOutcome]:
     """Run a dpdro Config on a loopback deployment of ``num_nodes`` SuperNodes (one partition each).
 
     Each node gets ``data-root``/``cache-dir`` in its node config (default: this machine's resolved
     values), as a real site would. The run config carries absolute paths for the server side.
     Returns (summary.json, RunOutcome). Raises DeploymentError if the run does not complete or writes no
-    summary; every process is stopped in all cases.
+    summary; every process is stopped in all cases, also on SIGTERM/SIGHUP (then ``TerminatedBySignal``, a
+    SystemExit, propagates after the cleanup) and Ctrl-C.
     """
     from ..common.data import resolve_cache_dir, resolve_data_root
     from .rundir import RunDir, read_json
@@ -476,8 +451,9 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     node_cfg = {"data-root": node_data_root or data_root, "cache-dir": node_cache_dir or cache_dir}
     summary_path = RunDir(cfg.out_dir).summary
     summary_path.unlink(missing_ok=True)
-    with LoopbackDeployment(work_dir, num_nodes, [node_cfg] * num_nodes, superlink_port=superlink_port,
-                            supernode_port=supernode_port) as dep:
+    with stop_on_signals(), LoopbackDeployment(work_dir, num_nodes, [node_cfg] * num_nodes,
+                                               superlink_port=superlink_port, supernode_port=supernode_port,
+                                               fleet_port=fleet_port) as dep:
         outcome = dep.run(app_dir, override_string(cfg, _toml_value), timeout=timeout, stream=stream)
     if not outcome.ok:
         raise DeploymentError(f"Flower run {outcome.run_id} ended with status {outcome.status!r} "

@@ -72,6 +72,74 @@ def test_cli_certs_refuses_then_forces(tmp_path, capsys):
     assert (tmp_path / "hospital-3.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
 
 
+# ----- Fleet-only gateway (issue 21 item 6) ------------------------------------------------------------------
+def _assert_site_port_refuses_control_api(dep, home: Path) -> None:
+    """A party holding only ca.crt and the site-facing (Fleet) address cannot register a SuperNode key or list
+    runs: every Control API call through that port fails, and the operator still sees only its own nodes."""
+    import subprocess
+
+    from dpdro.server.deploy import CONNECTION, HOST, _bin
+
+    cmd = dep.superlink_command()
+    assert cmd[cmd.index("--host") + 1] == HOST  # Control API on the operator's host only
+    node = dep.supernode_command(0)
+    assert node[node.index("--superlink") + 1] == dep.fleet_address != dep.control_address
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "site"\n\n[superlink.site]\naddress = "{dep.fleet_address}"\n'
+        f'root-certificates = "{dep.certs.ca_cert}"\n')
+    _, rogue_pub = add_node_key(home / "keys", "rogue")
+    env = {**dep.env(home), "FLWR_HOME": str(home)}
+
+    def attacker(*args):
+        return subprocess.run([_bin("flwr"), *args], env=env, capture_output=True, text=True, timeout=120, cwd=home)
+
+    reg = attacker("supernode", "register", str(rogue_pub), "site", "--name", "rogue", "--format", "json")
+    assert reg.returncode != 0 or '"success": false' in reg.stdout, reg.stdout
+    for args in (("ls", "site", "--format", "json"), ("supernode", "list", "site", "--format", "json")):
+        out = attacker(*args)
+        assert out.returncode != 0 or '"success": false' in out.stdout, (args, out.stdout)
+        assert '"runs"' not in out.stdout and '"nodes"' not in out.stdout
+    nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
+    assert len(nodes) == dep.num_nodes  # no rogue key was registered
+
+
+def test_fleet_gateway_forwards_only_fleet_calls():
+    """The gateway forwards POST /v1/fleet/<endpoint> and GET /health, byte for byte with the node's
+    authentication headers, and answers 404 itself to everything else (Control and Runtime API, path tricks)."""
+    import asyncio
+
+    import httpx
+
+    from dpdro.server.fleet_gateway import allowed, create_app
+
+    seen = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.raw_path.decode(), request.headers.get("x-flwr-sig"),
+                     request.content))
+        return httpx.Response(200, content=b"\x08\x01", headers={"content-type": "application/protobuf"})
+
+    app = create_app("superlink.test:8000", None, transport=httpx.MockTransport(upstream))
+
+    async def calls():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="https://gw") as client:
+            r = await client.post("/v1/fleet/pull-messages", content=b"\x01\x02", headers={"x-flwr-sig": "abc"})
+            assert (r.status_code, r.content) == (200, b"\x08\x01")
+            assert (await client.get("/health")).status_code == 200
+            for method, path in [("POST", "/v1/control/register-node"), ("POST", "/v1/control/list-runs"),
+                                 ("POST", "/v1/runtime/pull-messages"), ("GET", "/v1/fleet/pull-messages"),
+                                 ("POST", "/docs"), ("POST", "/v1/fleet/pull-messages?x=1")]:
+                assert (await client.request(method, path)).status_code == 404, (method, path)
+
+    asyncio.run(calls())
+    assert seen == [("POST", "/v1/fleet/pull-messages", "abc", b"\x01\x02"), ("GET", "/health", None, b"")]
+    for raw in ("/v1/fleet/../control/register-node", "/v1/fleet/%2e%2e/control/list-runs", "/v1/fleet/a/b",
+                "/v1/fleet/", "/v1/Fleet/pull-messages", "//v1/fleet/pull-messages"):
+        assert not allowed("POST", raw), raw
+    assert allowed("POST", "/v1/fleet/confirm-message-received")
+
+
 # ----- loopback deployment (real processes, real data) --------------------------------------------------
 @pytest.mark.flower
 @pytest.mark.data
@@ -104,7 +172,8 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
         nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
         assert len(nodes) == 2
         started = dep.pids()
-        assert len(started) >= 3  # SuperLink, 2 SuperNodes (and their SuperExecs)
+        assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
+        _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
         outcome = dep.run(ROOT, override_string(cfg, _toml_value), timeout=600)
         assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
     finally:
@@ -175,12 +244,21 @@ def test_compose_matches_tested_deployment_flags():
     assert "--insecure" not in cmd
     assert cmd[cmd.index("--isolation") + 1] == "process"  # the executors run in their own containers
     port = cmd[cmd.index("--port") + 1]
+    # the SuperLink's port (Control API) is published on the operator's host only, on the operator network
+    assert link["ports"] == [f"127.0.0.1:{port}:{port}"] and link["networks"] == ["operator"]
+    gw = services["fleet-gateway"]
+    assert gw["entrypoint"] == ["python", "-m", "dpdro.server.fleet_gateway"]
+    gcmd = gw["command"]
+    assert gcmd[gcmd.index("--superlink") + 1] == f"superlink:{port}"
+    gw_port = gcmd[gcmd.index("--listen") + 1].rsplit(":", 1)[1]
+    assert gw["ports"] == [f"{gw_port}:{gw_port}"] and set(gw["networks"]) == {"operator", "federation"}
     nodes = [s for name, s in services.items() if name.startswith("supernode-")]
     assert len(nodes) == 2
     for i, node in enumerate(sorted(nodes, key=lambda s: s["command"][s["command"].index("--node-config") + 1])):
         c = node["command"]
         assert node["image"] == "flwr/supernode:1.42.0"
-        assert c[c.index("--superlink") + 1] == f"superlink:{port}"
+        assert c[c.index("--superlink") + 1] == f"fleet-gateway:{gw_port}"  # never the SuperLink itself
+        assert "operator" not in node["networks"]
         assert "--root-certificates" in c and "--auth-supernode-private-key" in c and "--insecure" not in c
         assert c[c.index("--isolation") + 1] == "process"
         assert c[c.index("--node-config") + 1].startswith(f"partition-id={i} num-partitions=2")
@@ -197,8 +275,9 @@ def test_compose_matches_tested_deployment_flags():
     for name in ("clientapp-1", "clientapp-2"):
         vols = services[name]["volumes"]
         assert any(v.endswith(":/data:ro") for v in vols), vols
-    # private keys only where needed: the SuperLink's TLS key, each node its own auth key
-    assert not any("server.key" in str(v) for n, s in services.items() if n != "superlink"
+    # private keys only where needed: the TLS key on the SuperLink and the gateway (both the operator's), each
+    # node its own auth key
+    assert not any("server.key" in str(v) for n, s in services.items() if n not in ("superlink", "fleet-gateway")
                    for v in s.get("volumes", []))
 
 

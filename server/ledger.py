@@ -8,9 +8,15 @@ for); n is public.
 
 - A ``Mechanism`` is a named kind of release (e.g. 'x-refresh') with a sampling rate and a noise multiplier
   relative to the others. An algorithm declares its plan: how many releases of each mechanism.
-- ``calibrate`` finds the common scale s (z_k = s * relative_k) at which the plan spends the target epsilon at
-  delta, using dp_accounting.mechanism_calibration (Brent's method), then moves s up until epsilon lands in
-  [0.99 target, target].
+- Two accountants: 'pld' (the default: privacy loss distributions, tight up to a discretisation that only
+  ever rounds epsilon up) and 'rdp' (Renyi DP: a looser bound, about 5-10% more noise at the same target on
+  our plans). Both are upper bounds on the true epsilon. The PLD's discretisation is chosen per evaluation
+  from a short ladder so that no array exceeds ``PLD_MAX_POINTS`` (memory stays bounded); a plan that
+  cannot be accounted within the cap raises ``AccountingCostError`` (use accountant=rdp).
+- ``calibrate`` finds the common scale s (z_k = s * relative_k) at which the plan spends epsilon in
+  [0.99 target, target] at delta (Brent's method on a bracket: for PLD, the RDP solution is the upper end,
+  since PLD is tighter, and the search goes down from it). It raises ``CalibrationError`` rather than return
+  a scale that overspends or misses the 0.99 lower end.
 - ``Ledger`` records releases as they happen. Its guard allows a release when the releases so far plus this
   one are still within the calibrated plan (composition is monotone, so epsilon <= epsilon(plan) <= target);
   anything outside the plan is allowed only if the exact epsilon with it stays within the target.
@@ -20,19 +26,51 @@ for); n is public.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import dp_accounting
-from dp_accounting import mechanism_calibration
+from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import optimize
+
+from ..common.config import ConfigError
+
+ACCOUNTANTS = ("pld", "rdp")
+DEFAULT_ACCOUNTANT = "pld"
+
+# PLD discretisation (value_discretization_interval, in nats of privacy loss), finest first. The estimate is
+# pessimistic (rounds the privacy loss up), so a coarser grid only loosens epsilon: on the main job's plan
+# 1e-3 is 2e-4 above 1e-4 and costs a tenth of the time and memory; 1e-2 is used only for plans whose PMF
+# would not fit the cap at 1e-3 (small noise multipliers, i.e. large epsilons).
+PLD_DISCRETISATIONS = (1e-3, 1e-2)
+# Most points one PLD PMF (one mechanism self-composed, or the composition of all) may have. Peak memory
+# measured with dp-accounting 0.6: about 110 bytes per point (FFT buffers), so 2**21 points ~ 0.25 GiB.
+PLD_MAX_POINTS = 2**21
+PLD_BYTES_PER_POINT = 110
+# log of the probability mass dp-accounting truncates from a Gaussian PLD (its default), its tail quantile
+# (sqrt(2 * 50) bounds the standard normal's e^-50 quantile) and the tail mass a self-composition drops.
+_PLD_LOG_MASS_TRUNCATION = -50.0
+_PLD_TAIL_QUANTILE = 10.0
+_PLD_TAIL_MASS = 1e-15
 
 
 class PrivacyBudgetExceeded(RuntimeError):
     """A release would make epsilon exceed the run's target; it was refused and nothing was released."""
+
+
+class CalibrationError(ConfigError):
+    """No noise scale makes the plan spend epsilon in [0.99 target, target]; the message says what to change."""
+
+
+class AccountingCostError(ConfigError):
+    """The PLD of a plan would need more than ``PLD_MAX_POINTS`` points (memory) even at the coarsest
+    discretisation; the message names the releases and what to change (accountant=rdp, more noise)."""
 
 
 @dataclass(frozen=True)
@@ -53,12 +91,14 @@ class Mechanism:
 
 
 def make_accountant(kind: str) -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant ('rdp' or 'pld', add/remove adjacency)."""
+    """A fresh dp-accounting accountant ('rdp' or 'pld', add/remove adjacency). The ledger's own PLD
+    evaluation (``epsilon_of``) builds its PLDs directly to bound their size; this accountant is for callers
+    that compose events one by one."""
     if kind == "rdp":
         return rdp_privacy_accountant.RdpAccountant()
     if kind == "pld":
-        return pld_privacy_accountant.PLDAccountant()
-    raise ValueError(f"unknown accountant {kind!r}; allowed: rdp, pld")
+        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETISATIONS[0])
+    raise ValueError(f"unknown accountant {kind!r}; allowed: {', '.join(ACCOUNTANTS)}")
 
 
 def release_event(rate: float, noise_multiplier: float) -> dp_accounting.DpEvent:
@@ -73,15 +113,91 @@ def composed_event(counts: Mapping[tuple[float, float], int]) -> dp_accounting.D
     return dp_accounting.ComposedDpEvent(events)
 
 
-def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float, accountant: str = "rdp") -> float:
-    """Epsilon at ``delta`` of the composition of the releases in ``counts`` (0 for no release)."""
-    if not any(counts.values()):
+def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
+               accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Epsilon at ``delta`` of the composition of the releases in ``counts`` (0 for no release).
+
+    counts maps (sampling rate, noise multiplier) -> number of releases. Results are cached (the same
+    counts are evaluated again by calibration and the guard). Raises ValueError for an unknown accountant
+    and AccountingCostError when accountant='pld' cannot fit the plan's PLD in ``PLD_MAX_POINTS``.
+    """
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(ACCOUNTANTS)}")
+    items = tuple(sorted((float(r), float(z), int(c)) for (r, z), c in counts.items() if c > 0))
+    if not items:
         return 0.0
-    if any(z <= 0 for (_, z), c in counts.items() if c > 0):
+    if any(z <= 0 for _, z, _ in items):
         return math.inf
-    acc = make_accountant(accountant)
-    acc.compose(composed_event(counts))
-    return float(acc.get_epsilon(delta))
+    return _epsilon_cached(items, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=512)
+def _epsilon_cached(items: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
+    if accountant == "rdp":
+        acc = rdp_privacy_accountant.RdpAccountant()
+        acc.compose(composed_event({(r, z): c for r, z, c in items}))
+        return float(acc.get_epsilon(delta))
+    return float(_pld(items).get_epsilon_for_delta(delta))
+
+
+def _pld(items: tuple[tuple[float, float, int], ...]) -> pld_lib.PrivacyLossDistribution:
+    """The composed PLD of (rate, z, count) releases at the finest discretisation that fits the cap."""
+    needed = {}
+    for vdi in PLD_DISCRETISATIONS:
+        try:
+            return _pld_at(items, vdi)
+        except _TooLarge as e:
+            needed[vdi] = e.points
+    what = ", ".join(f"{c} x (rate {r:.4g}, noise multiplier {z:.4g})" for r, z, c in items)
+    points = needed[PLD_DISCRETISATIONS[-1]]
+    raise AccountingCostError(
+        f"config key 'accountant': got 'pld'; its privacy loss distribution of the releases [{what}] needs "
+        f"about {points:.3g} points (~{points * PLD_BYTES_PER_POINT / 2**30:.2g} GiB) even at discretisation "
+        f"{PLD_DISCRETISATIONS[-1]:g}, over the cap of {PLD_MAX_POINTS} points: noise multipliers this small "
+        "mean a very large epsilon; use accountant=rdp, or a smaller epsilon / fewer iterations (more noise)")
+
+
+class _TooLarge(Exception):
+    def __init__(self, points: float) -> None:
+        super().__init__(points)
+        self.points = points
+
+
+def _pld_at(items: tuple[tuple[float, float, int], ...], vdi: float) -> pld_lib.PrivacyLossDistribution:
+    """Composed PLD at discretisation ``vdi``; raises _TooLarge before allocating more than the cap."""
+    total = 0
+    composed = None
+    for rate, z, count in items:
+        # Width of the Gaussian's truncated privacy-loss range, 2T/z + 1/z^2 (sensitivity 1); subsampling only
+        # narrows it. Checked before dp-accounting builds the array (at z = 1e-3 it would be TiB).
+        base_points = (2 * _PLD_TAIL_QUANTILE / z + 1 / z**2) / vdi
+        if base_points > PLD_MAX_POINTS:
+            raise _TooLarge(base_points)
+        base = pld_lib.from_gaussian_mechanism(
+            standard_deviation=z, sampling_prob=rate, value_discretization_interval=vdi,
+            log_mass_truncation_bound=_PLD_LOG_MASS_TRUNCATION)
+        points = max(_self_composed_points(pmf, count) for pmf in _pmfs(base))
+        total += points
+        if points > PLD_MAX_POINTS or total > PLD_MAX_POINTS:
+            raise _TooLarge(max(points, total))
+        part = base.self_compose(count, tail_mass_truncation=_PLD_TAIL_MASS) if count > 1 else base
+        composed = part if composed is None else composed.compose(part, tail_mass_truncation=_PLD_TAIL_MASS)
+    return composed
+
+
+def _pmfs(pld: pld_lib.PrivacyLossDistribution) -> list:
+    # dp-accounting 0.6 (pinned <0.7) keeps the remove/add PMFs in these attributes; sizing them before the
+    # FFT is what bounds memory.
+    return [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
+
+
+def _self_composed_points(pmf, count: int) -> int:
+    """Length of the FFT array dp-accounting's self-composition of ``pmf`` ``count`` times allocates."""
+    probs = pmf.to_dense_pmf()._probs  # noqa: SLF001
+    if count <= 1:
+        return len(probs)
+    lower, upper = pld_common.compute_self_convolve_bounds(probs, count, _PLD_TAIL_MASS)
+    return max(upper - lower + 1, len(probs))
 
 
 def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
@@ -92,13 +208,23 @@ def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
     return counts
 
 
-def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float, accountant: str = "rdp") -> float:
+def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
+              accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """The common noise scale s at which ``plan`` spends epsilon in [0.99 epsilon, epsilon] at ``delta``.
 
-    Raises ValueError for a non-positive or infinite target, or an empty plan.
+    The RDP solution is found first (cheap at any scale); for 'pld' it is the upper end of the bracket (PLD
+    is the tighter bound: it needs 0.90-0.95x the RDP noise on our plans) and the lower end is searched
+    downwards from 0.85x it, so the PLD is never evaluated at tiny noise multipliers. The returned scale is
+    checked with ``epsilon_of`` itself (what the ledger reports).
+
+    Raises ValueError for a non-positive or infinite target, an empty plan or one-off releases that alone
+    spend the target; CalibrationError if no scale lands in [0.99 target, target] (it never returns an
+    overspending scale); AccountingCostError if the PLD of the plan near the solution exceeds the memory cap.
     """
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ValueError(f"calibration needs a finite target epsilon > 0, got {epsilon}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(ACCOUNTANTS)}")
     if not any(n for m, n in plan.items() if m.fixed_noise is None):
         raise ValueError("calibration needs a plan with at least one release")
     fixed = {m: n for m, n in plan.items() if m.fixed_noise is not None}
@@ -106,18 +232,70 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float, accou
         raise ValueError(f"the one-off releases ({', '.join(m.name for m in fixed)}) alone spend epsilon >= "
                          f"{epsilon:g}: raise their noise multipliers or the target")
 
-    def event_at(scale: float) -> dp_accounting.DpEvent:
-        return composed_event(plan_counts(plan, max(scale, 1e-9)))
+    def describe() -> str:
+        return ", ".join(f"{n} x {m.name} (rate {m.rate:.4g}, "
+                         + (f"fixed noise {m.fixed_noise:g})" if m.fixed_noise is not None
+                            else f"relative noise {m.relative_noise:.4g})") for m, n in plan.items())
 
-    scale = mechanism_calibration.calibrate_dp_mechanism(
-        lambda: make_accountant(accountant), event_at, epsilon, delta,
-        mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0), tol=1e-7)
-    # Brent lands within tol of the root, possibly on the overspending side: step up until within target.
-    for _ in range(200):
-        if epsilon_of(plan_counts(plan, scale), delta, accountant) <= epsilon:
+    def eps_with(kind: str) -> Callable[[float], float]:
+        return lambda scale: epsilon_of(plan_counts(plan, scale), delta, kind)
+
+    rdp_scale = _solve(eps_with("rdp"), epsilon, 1.0, describe)
+    if accountant == "rdp":
+        return rdp_scale
+    try:
+        return _solve(eps_with("pld"), epsilon, rdp_scale, describe, below=True)
+    except AccountingCostError as e:
+        raise AccountingCostError(f"calibrating the plan [{describe()}] to epsilon {epsilon:g}: {e}") from None
+
+
+def _solve(eps_at: Callable[[float], float], target: float, guess: float, describe: Callable[[], str],
+           below: bool = False) -> float:
+    """Smallest scale s (within 1e-5 relative) with eps_at(s) <= target, checked to be >= 0.99 target.
+
+    eps_at must be non-increasing in s (more noise, less epsilon). ``guess``: a starting point; with
+    ``below`` it is known (or expected) to be an upper end and the search for the lower end goes down from
+    0.85 x guess in steps of 0.85 (no PLD at tiny scales). Raises CalibrationError.
+    """
+    seen: dict[float, float] = {}
+
+    def f(s: float) -> float:
+        if s not in seen:
+            seen[s] = eps_at(s)
+        return seen[s] - target
+
+    hi = guess
+    for _ in range(64):  # upper end: doubles until the plan is within target (exists: the fixed part < target)
+        if f(hi) <= 0:
             break
-        scale *= 1.0005
-    return float(scale)
+        hi *= 1.02 if below else 2.0
+    else:
+        raise CalibrationError(f"calibration found no noise scale up to {hi:.3g} within epsilon {target:g} for the "
+                               f"plan [{describe()}]")
+    lo = hi * (0.85 if below else 0.5)
+    for _ in range(64):  # lower end: overspends (exists: epsilon -> inf as the noise -> 0)
+        if f(lo) > 0:
+            break
+        hi, lo = lo, lo * (0.85 if below else 0.5)
+    else:
+        raise CalibrationError(f"calibration found no noise scale down to {lo:.3g} that overspends epsilon "
+                               f"{target:g} for the plan [{describe()}]")
+    optimize.brentq(f, lo, hi, xtol=1e-5 * lo, rtol=1e-6, maxiter=200)
+    for _ in range(60):
+        # Brent may end on either side of the root: take the smallest evaluated scale within target and
+        # bisect towards the largest overspending one until epsilon lands in [0.99 target, target].
+        ok = min(s for s, e in seen.items() if e <= target)
+        over = max((s for s, e in seen.items() if e > target and s < ok), default=None)
+        if seen[ok] >= 0.99 * target or over is None or ok - over <= 1e-12 * ok:
+            break
+        f(math.sqrt(over * ok))
+    if not 0.99 * target <= seen[ok] <= target:
+        near = f"; at scale {over:.9g} it spends {seen[over]:.6g}" if over is not None else ""
+        raise CalibrationError(
+            f"calibration could not land epsilon in [{0.99 * target:.6g}, {target:g}] for the plan "
+            f"[{describe()}]: at scale {ok:.9g} it spends {seen[ok]:.6g}{near} (the accountant's epsilon jumps "
+            "there); try the other accountant (accountant=rdp or pld) or a slightly different epsilon")
+    return float(ok)
 
 
 class Ledger:
@@ -128,11 +306,11 @@ class Ledger:
         noise: mechanism name -> noise multiplier z (0 in a non-private run).
         epsilon, delta: the target; epsilon = inf means a non-private run (nothing is refused, the
             reported epsilon is inf).
-        accountant: 'rdp' or 'pld'.
+        accountant: 'pld' (default) or 'rdp'.
     """
 
     def __init__(self, plan: Mapping[Mechanism, int], noise: Mapping[str, float], epsilon: float,
-                 delta: float, accountant: str = "rdp") -> None:
+                 delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> None:
         self.plan = dict(plan)
         self.noise = dict(noise)
         self.epsilon = epsilon

@@ -176,7 +176,7 @@ def collect(root: Path, profile_name: str) -> list[dict]:
         rows.append({"dataset": s["dataset"], "algorithm": s["algorithm"], "epsilon_target": s["epsilon_target"],
                      "seed": s["seed"], "test_accuracy": s["test_accuracy"], "worst_accuracy": worst,
                      "epsilon_spent": math.inf if eps == "inf" else float(eps), "wall_seconds": s["wall_seconds"],
-                     "transport": s.get("transport", "local")})
+                     "transport": s.get("transport", "local"), "accountant": s.get("accountant", "rdp")})
     return rows
 
 

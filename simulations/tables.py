@@ -124,6 +124,11 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
             "these rows measure the method without its variance-reduced estimator.")
 
 
+def _accountants(rows: list[dict]) -> str:
+    """The accountant(s) of the runs, as the report states them (summaries before the PLD default: RDP)."""
+    return " and ".join(sorted({str(r.get("accountant", "rdp")).upper() for r in rows})) or "PLD"
+
+
 def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plots: list[Path]) -> Path:
     """docs/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -140,7 +145,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "choose anything. The selected configuration of each method (`simulations/configs/tuned/`) was then "
              "trained on the whole training split at epsilon 1, 4 and 8 (the epsilon 4 hyper-parameters are reused "
              "at 1 and 8) with seeds 0, 1, 2 and evaluated on the test split; cells are mean +/- standard "
-             "deviation over the seeds, delta = n^-1.1, accountant RDP, 4 clients, every run from scratch (no "
+             f"deviation over the seeds, delta = n^-1.1, accountant {_accountants(rows)}, 4 clients, every run from "
+             "scratch (no "
              "pre-training). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, CIFAR10-ST) or "
              "the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). An empty cell is a run not "
              "made yet (`dpdro sweep --profile tuned --jobs 2` runs exactly the missing ones); '(n=k)' after a "

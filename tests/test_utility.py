@@ -69,7 +69,8 @@ def test_histogram_release_has_declared_std_and_charge(tmp_path):
     transport = FixedTransport(shards, n)
     plan = setup_releases.mechanisms(cfg)
     assert plan == {Mechanism("class-histogram", 1.0, fixed_noise=3.0): 1}
-    ledger = Ledger({**plan, Mechanism("grad", 0.1): 1}, {"class-histogram": 3.0, "grad": 1.0}, cfg.epsilon, DELTA)
+    ledger = Ledger({**plan, Mechanism("grad", 0.1): 1}, {"class-histogram": 3.0, "grad": 1.0}, cfg.epsilon, DELTA,
+                    "rdp")
     rd = RunDir(tmp_path)
     rd.create()
     releaser = Releaser(cfg, transport, ledger, n, rd)
@@ -86,7 +87,8 @@ def test_histogram_release_has_declared_std_and_charge(tmp_path):
     assert noise.std() == pytest.approx(3.0, rel=0.05)
     assert abs(noise.mean()) < 4 * 3.0 / math.sqrt(noise.size)
     # the first release was in the plan; its epsilon is the closed-form RDP of one Gaussian with z_h = 3
-    one = Ledger({**plan, Mechanism("grad", 0.1): 1}, {"class-histogram": 3.0, "grad": 1.0}, cfg.epsilon, DELTA)
+    one = Ledger({**plan, Mechanism("grad", 0.1): 1}, {"class-histogram": 3.0, "grad": 1.0}, cfg.epsilon, DELTA,
+                 "rdp")
     one.charge("class-histogram", 1.0)
     orders = np.asarray(rdp_privacy_accountant.RdpAccountant()._orders, dtype=np.float64)
     eps_ref, _ = rdp_privacy_accountant.compute_epsilon(orders, orders / (2 * 3.0**2), DELTA)
@@ -177,7 +179,7 @@ def test_variance_rule_matches_closed_form_and_allocated_ledger_matches_independ
     plan = {Mechanism(k, r): (20 if "refresh" in k else 80) for k, r in rates.items()}
     plan[Mechanism("class-histogram", 1.0, fixed_noise=10.0)] = 1
     allocated = allocate(plan, prof)
-    scale = calibrate(allocated, 4.0, DELTA)
+    scale = calibrate(allocated, 4.0, DELTA, "rdp")
     noise = {m.name: m.noise_at(scale) for m in allocated}
     assert noise["class-histogram"] == 10.0
     # independent: one event per release, composed one at a time with dp_accounting
@@ -187,10 +189,10 @@ def test_variance_rule_matches_closed_form_and_allocated_ledger_matches_independ
             acc.compose(dp_accounting.PoissonSampledDpEvent(m.rate, dp_accounting.GaussianDpEvent(noise[m.name])))
     eps = acc.get_epsilon(DELTA)
     assert 0.99 * 4.0 <= eps <= 4.0
-    assert epsilon_of(plan_counts(allocated, scale), DELTA) == pytest.approx(eps, rel=1e-9)
+    assert epsilon_of(plan_counts(allocated, scale), DELTA, "rdp") == pytest.approx(eps, rel=1e-9)
     # the rule does what it claims: at equal privacy its proxy variance beats equal relative multipliers
     equal = {m: n for m, n in plan.items()}
-    s_eq = calibrate(equal, 4.0, DELTA)
+    s_eq = calibrate(equal, 4.0, DELTA, "rdp")
     v_rule = proxy_variance(allocated, noise, prof, 10_000)
     v_eq = proxy_variance(equal, {m.name: m.noise_at(s_eq) for m in equal}, prof, 10_000)
     assert v_rule < v_eq

@@ -28,6 +28,9 @@ COPY --chown=app:app dpdro ./dpdro
 COPY --chown=app:app common ./common
 COPY --chown=app:app server ./server
 COPY --chown=app:app client ./client
+# not imported by the apps, but pyproject.toml lists them as packages, so `pip install .` needs the folders
+COPY --chown=app:app launch ./launch
+COPY --chown=app:app simulations ./simulations
 # flwr is already in the base image at 1.42.0; drop the [simulation] extra (Ray) that only simulation needs.
 RUN sed -i 's/"flwr\[simulation\]==1.42.0"/"flwr==1.42.0"/' pyproject.toml \
     && python -m pip install --no-cache-dir --extra-index-url ${TORCH_INDEX_URL} .

@@ -72,9 +72,9 @@ def _progress_bar(total: int, start: int = 0):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
     from dpdro.server.engine import load_run_config, train
-    from dpdro.server.transport import LocalTransport
 
     if args.resume:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
@@ -119,7 +119,7 @@ def _own_children():
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     cfg = config_from_args(args)
     with _own_children():
@@ -198,7 +198,7 @@ def cmd_equivalence(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dpdro.server.bench import BenchOptions, run_bench
+    from dpdro.simulations.bench import BenchOptions, run_bench
 
     opts = BenchOptions(quick=args.quick, device=args.device, threads=args.threads, batch=args.batch,
                         chunk_size=args.chunk_size, repeats=args.repeats, flower=not args.no_flower,
@@ -210,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from dpdro.server.certs import CertificateExistsError, add_node_key, create_certificates
+    from dpdro.launch.certs import CertificateExistsError, add_node_key, create_certificates
 
     try:
         if args.certs_command == "add-node":
@@ -230,7 +230,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from dpdro.server.deploy import DeploymentError, deploy_config
+    from dpdro.launch.deploy import DeploymentError, deploy_config
 
     cfg = config_from_args(args)
     given = {a.split("=", 1)[0] for a in (args.set or [])} | (set(_load_toml(args.config)) if args.config else set())

@@ -1,2 +1,3 @@
-"""Server side: algorithms (state machines), the privacy ledger, noise and aggregation, the training
-engine, transports, run directories and checkpoints, and the Flower ServerApp."""
+"""Server core: algorithms (state machines), the privacy ledger, noise and aggregation, the training engine,
+run directories and checkpoints. Imports only ``dpdro.common``; never Flower nor the client. The Flower
+ServerApp is the ``flower`` sub-package, one layer up."""

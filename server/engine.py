@@ -27,6 +27,7 @@ from ..common.messages import Query, Reply
 from ..common.models import make_model, resolve_model
 from ..common.per_sample import FlatModel
 from ..common.rng import site_rng
+from ..common.transport import ClientFailure, Transport
 from . import setup as setup_releases
 from .algorithms import make_algorithm
 from .allocation import allocate, proxy_variance
@@ -35,7 +36,6 @@ from .evaluate import evaluate
 from .ledger import Ledger, calibrate, epsilon_of
 from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
 from .rundir import RunDir, read_json, write_json
-from .transport import ClientFailure, Transport
 
 log = logging.getLogger(__name__)
 
@@ -421,13 +421,13 @@ def load_run_config(out_dir: str) -> Config:
 
 
 def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import dp_accounting  # noqa: F401
 
-    try:
-        import flwr
-
-        flwr_version = flwr.__version__
-    except Exception:  # flwr is optional for single-node runs
+    try:  # read from the installed metadata: the core never imports Flower
+        flwr_version = version("flwr")
+    except PackageNotFoundError:  # flwr is optional for single-node runs
         flwr_version = None
     return {"dpdro": __version__, "torch": torch.__version__, "numpy": np.__version__, "flwr": flwr_version,
             "python": platform.python_version()}

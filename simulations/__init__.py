@@ -1,1 +1,2 @@
-"""Experiment tools (imported as dpdro.simulations): sweeps, reports and plots, saved configurations."""
+"""Experiment and measurement tools (imported as dpdro.simulations): sweeps, tuning, reports and plots, the
+performance bench, saved configurations. The top layer under the CLI: may import every other package."""

@@ -69,8 +69,8 @@ def lira_scores(target_phi: np.ndarray, shadow_phi: np.ndarray, shadow_in: np.nd
 
 
 def _train(base: dict, data: ArrayDataset, test: ArrayDataset, eps: float, seed: int, out: Path) -> np.ndarray:
+    from ..client.local_transport import LocalTransport
     from ..server.engine import train
-    from ..server.transport import LocalTransport
 
     cfg = Config.from_mapping({**base, "epsilon": eps, "seed": seed, "out-dir": str(out)})
     return train(cfg, LocalTransport(cfg, data), test).params

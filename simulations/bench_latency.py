@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dpdro.common.config import Config
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
-    from dpdro.server.deploy import LoopbackDeployment, override_string
-    from dpdro.server.simulate import _toml_value
+    from dpdro.launch.deploy import LoopbackDeployment, override_string
+    from dpdro.launch.simulate import toml_value
 
     os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
     tmp = tempfile.mkdtemp(prefix="dpdro-latency-")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fed.ok:
             print(f"FedAvg run failed: {fed.status} {fed.details}\n{fed.log_tail}", file=sys.stderr)
             return 1
-        ours = dep.run(ROOT, override_string(cfg, _toml_value), timeout=3600)
+        ours = dep.run(ROOT, override_string(cfg, toml_value), timeout=3600)
         if not ours.ok:
             print(f"dpdro run failed: {ours.status} {ours.details}\n{ours.log_tail}", file=sys.stderr)
             return 1

@@ -28,10 +28,10 @@ SHORT = {"max-train-records": 2000, "max-test-records": 500, "num-clients": 3, "
 
 def compare(dataset: str, root: Path, overrides: dict | None = None) -> dict:
     """Run ``dataset`` both ways; return the differences (raises DataError if its files are missing)."""
+    from ..client.local_transport import LocalTransport
     from ..common.data import load_from_config
+    from ..launch.simulate import run_simulation
     from ..server.engine import train
-    from ..server.simulate import run_simulation
-    from ..server.transport import LocalTransport
 
     base = {**SHORT, "dataset": dataset, **(overrides or {})}
     local_cfg = Config.from_mapping({**base, "out-dir": str(root / dataset / "single-node")})

@@ -31,7 +31,7 @@ import tomllib
 from pathlib import Path
 
 from ..common.config import Config
-from .sweep import tuned_config_path
+from .tuned import tuned_config_path
 
 DATASET, EPSILON = "mnist-st", 4.0
 TOGGLES = {

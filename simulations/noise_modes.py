@@ -31,7 +31,7 @@ def base_keys(path: Path = MAIN) -> dict:
 
 def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Path("."), seed: int = 0) -> Path:
     """Run each mode on Flower (skipping finished runs) and write docs/NOISE_MODES.md."""
-    from ..server.simulate import run_simulation
+    from ..launch.simulate import run_simulation
 
     base = base_keys()
     rows = []

@@ -17,9 +17,9 @@ from ..common.config import Config
 def run_one(values: dict) -> tuple[str, str | None]:
     """Train the configuration ``values`` (kebab-case keys) in this process; returns (out-dir, None), or
     (out-dir, message) when its data is not available (DataError)."""
+    from ..client.local_transport import LocalTransport
     from ..common.data import DataError, load_from_config
     from ..server.engine import train
-    from ..server.transport import LocalTransport
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = Config.from_mapping(values)

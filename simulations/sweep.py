@@ -18,6 +18,8 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.data import DataError, data_missing
+from .tables import write_tuned_report
+from .tuned import TUNED_CONFIGS, tuned_config_path
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +38,6 @@ class Profile:
     per_dataset: dict = field(default_factory=dict)
     per_algorithm: dict = field(default_factory=dict)
     tuned_at: float | None = None  # runs take their keys from the tuned config files of this epsilon
-
-
-TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
-
-
-def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path = TUNED_CONFIGS) -> Path:
-    """Config file written by ``dpdro tune`` for (dataset, epsilon, algorithm)."""
-    return folder / f"{dataset}-eps{epsilon:g}-{algorithm}.toml"
 
 
 _COMMON = {"num-clients": 4, "threads": 1, "reproducible": False, "checkpoint-every": 0}
@@ -124,7 +118,7 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
               jobs: int = 1, algorithms: list[str] | None = None, epsilons: list[float] | None = None) -> dict:
     """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
     returns counts {'done', 'skipped', 'missing-data'}."""
-    from ..server.simulate import run_simulation
+    from ..launch.simulate import run_simulation
     from .runner import run_many
 
     cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons)
@@ -198,8 +192,6 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
         groups[(r["dataset"], r["algorithm"], r["epsilon_target"])].append(r)
     profile = PROFILES[profile_name]
     if profile_name == "tuned":
-        from .tables import write_tuned_report
-
         plots = _plot(groups, profile, docs / "plots") + _plot_curves(root, profile, docs / "plots")
         return write_tuned_report(rows, profile, docs, configs or TUNED_CONFIGS.parent, plots)
     lines = [f"# Results ({profile_name} profile)", "",

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from .tune import SPACES
+from .tuned import transferred_from, tuned_config_path
+
 BASELINES = ("dp-sgd", "dp-sgd-la")
 DRO_METHODS = ("dp-double-spider", "recursive-spider", "dp-sgda", "dp-sgd-dual", "dp-spiderboost")
 GOAL = {"dataset": "mnist-st", "epsilon": 4.0, "worst": 0.60, "accuracy": 0.85}
@@ -92,8 +95,6 @@ def best_method_of(configs: Path) -> str | None:
 
 def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
     """Where the data set's hyper-parameters came from (tune.transferred_from), as a sentence."""
-    from .tune import transferred_from
-
     source = transferred_from(dataset, epsilon, configs)
     if source:
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro tune --dataset {dataset} --transfer-from "
@@ -107,9 +108,6 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
     """A sentence naming the SPIDER-type methods (those with 'q' in their search space) whose tuned config of
     ``dataset`` has q = 1, i.e. a refresh every iteration and no difference release; None if there is none."""
     import tomllib
-
-    from .sweep import tuned_config_path
-    from .tune import SPACES
 
     plain = []
     for method in methods:

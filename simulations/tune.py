@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.rng import derived_rng
-from .sweep import tuned_config_path
+from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +239,6 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], trials: int, r
     return winners
 
 
-TRANSFER_MARK = "# Transferred"
-
-
 def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str], configs: Path) -> dict[str, Path]:
     """Write ``configs/tuned/<target>-eps<e>-<method>.toml`` from the source data set's tuned file of each method:
     the method's searched keys (SPACES) of the source file, 'refresh-batch' divided by the source's and multiplied
@@ -278,14 +275,6 @@ def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str],
     return written
 
 
-def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
-    """The source data set when the data set's tuned files were written by ``transfer_tuned`` (their first line
-    says so); None when they came from a search on the data set or there are none."""
-    files = sorted((configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name))
-    if not files:
-        return None
-    first = files[0].read_text().splitlines()[0]
-    return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None
 
 
 def write_toml(path: Path, keys: dict, header: str = "") -> None:

@@ -24,7 +24,7 @@ SMALL = {
 def flower_superlink():
     """Lets Flower tests share the auto-started local SuperLink; stops it (by PID) after the session, unless
     it was already running when the session started (then it belongs to someone else's run)."""
-    from dpdro.server.simulate import _superlink_up, stop_local_superlink
+    from dpdro.launch.simulate import _superlink_up, stop_local_superlink
 
     ours = not _superlink_up()
     yield

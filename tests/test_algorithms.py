@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpdro.client.local_transport import LocalTransport
 from dpdro.common.config import Config
 from dpdro.common.data import ArrayDataset
 from dpdro.common.dro import dual_loss
@@ -24,7 +25,6 @@ from dpdro.server.algorithms import make_algorithm
 from dpdro.server.algorithms.recursive_spider import RecursiveSpiderState
 from dpdro.server.engine import train
 from dpdro.server.ledger import epsilon_of
-from dpdro.server.transport import LocalTransport
 
 N, K = 24, 10
 

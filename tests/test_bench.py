@@ -94,7 +94,7 @@ def test_resnet20_is_groupnorm_and_deterministic():
 
 
 def test_tiny_bench_run_has_every_ratio(tmp_path):
-    from dpdro.server.bench import BenchOptions, ratio_rows, run_bench
+    from dpdro.simulations.bench import BenchOptions, ratio_rows, run_bench
 
     doc = tmp_path / "PERF.md"
     res = run_bench(BenchOptions(quick=True, batch=16, chunk_size=8, repeats=2, flower=False, doc=str(doc),

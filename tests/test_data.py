@@ -68,7 +68,7 @@ def test_flower_simulation_refuses_missing_data_before_flower_starts(tmp_path, m
     import subprocess
 
     from dpdro.common.config import Config
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     def no_flower(*args, **kwargs):
         raise AssertionError("flwr was started although the data is missing")

@@ -15,7 +15,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from dpdro.server.certs import CertificateExistsError, add_node_key, create_certificates
+from dpdro.launch.certs import CertificateExistsError, add_node_key, create_certificates
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,8 +148,8 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment."""
     from dpdro.common.config import Config
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
-    from dpdro.server.deploy import CONNECTION, LoopbackDeployment, alive, override_string
-    from dpdro.server.simulate import _toml_value
+    from dpdro.launch.deploy import CONNECTION, LoopbackDeployment, alive, override_string
+    from dpdro.launch.simulate import toml_value
 
     out = tmp_path / "run"
     cfg = Config.from_mapping({"num-clients": 2, "iterations": 2, "q": 2, "max-train-records": 2000,
@@ -174,7 +174,7 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
         started = dep.pids()
         assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
         _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
-        outcome = dep.run(ROOT, override_string(cfg, _toml_value), timeout=600)
+        outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
         assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
     finally:
         left = dep.stop()
@@ -201,8 +201,8 @@ def test_loopback_deployment_runs_distributed_noise_through_secagg(tmp_path):
     the SuperLink's ServerApp only receives SecAgg+ sums (quantisation bound reported per release)."""
     from dpdro.common.config import Config
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
-    from dpdro.server.deploy import LoopbackDeployment, override_string
-    from dpdro.server.simulate import _toml_value
+    from dpdro.launch.deploy import LoopbackDeployment, override_string
+    from dpdro.launch.simulate import toml_value
 
     out = tmp_path / "run"
     data_root = str(resolve_data_root("auto").resolve())
@@ -215,7 +215,7 @@ def test_loopback_deployment_runs_distributed_noise_through_secagg(tmp_path):
     dep = LoopbackDeployment(tmp_path / "deploy", 2, [node_cfg, node_cfg])
     try:
         dep.start()
-        outcome = dep.run(ROOT, override_string(cfg, _toml_value), timeout=600)
+        outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
         assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
     finally:
         assert dep.stop() == []

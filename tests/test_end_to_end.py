@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from dpdro.client.local_transport import LocalTransport
 from dpdro.common.data import load_from_config
 from dpdro.server.engine import ResumeError, train
-from dpdro.server.transport import LocalTransport
 
 pytestmark = pytest.mark.data
 
@@ -102,7 +102,7 @@ def test_resume_with_other_config_is_refused(small_config, tmp_path):
 @pytest.mark.parametrize("algorithm", ["dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-dual",
                                        "dp-spiderboost", "dp-sgda"])
 def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_superlink, algorithm):
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     local = run_local(small_config(out_dir=str(tmp_path / "local"), algorithm=algorithm))
     cfg = small_config(out_dir=str(tmp_path / "flower"), algorithm=algorithm)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from scipy import stats
 
+from dpdro.client.local_transport import LocalTransport
 from dpdro.client.worker import ShardWorker
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset, load_from_config
 from dpdro.common.messages import Point, Query
 from dpdro.server.engine import train
 from dpdro.server.release import client_noise_std, noisy_mean, server_noise_std, server_view_multiplier
-from dpdro.server.transport import LocalTransport
 
 Z, CLIP, M = 1.3, 1.0, 4
 DRAWS = 600
@@ -179,7 +179,7 @@ def test_secagg_sum_is_within_the_quantisation_bound_on_flower(small_config, tmp
     in-process (reproducible: the same records and client noise): the parameters differ by at most
     lr * (quantisation bound) / (expected batch), and by more than nothing (the sum really went through the
     fixed-point protocol)."""
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     keys = {"algorithm": "dp-sgd", "noise_mode": "distributed", "iterations": 1, "eval_every": 1}
     local = _run(small_config(out_dir=str(tmp_path / "local"), **keys))
@@ -198,7 +198,7 @@ def test_secagg_sum_is_within_the_quantisation_bound_on_flower(small_config, tmp
 def test_secagg_dropout_on_flower_keeps_noise_and_ledger(small_config, tmp_path, flower_superlink):
     """A node fails inside SecAgg+ at iteration 1; its masks are reconstructed from the others' shares, the
     server tops up its noise share, and the run completes with the planned releases."""
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     keys = {"noise_mode": "distributed", "iterations": 3, "eval_every": 3, "on_client_failure": "drop",
             "min_clients": 2}

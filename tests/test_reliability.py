@@ -10,10 +10,11 @@ import logging
 import numpy as np
 import pytest
 
+from dpdro.client.local_transport import LocalTransport
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import load_from_config
+from dpdro.common.transport import ClientFailure
 from dpdro.server.engine import train
-from dpdro.server.transport import ClientFailure, LocalTransport
 
 pytestmark = pytest.mark.data
 
@@ -136,7 +137,7 @@ def test_memory_is_steady_over_many_iterations(small_config):
 @pytest.mark.flower
 def test_flower_client_error_fails_the_run_quickly(small_config, flower_superlink):
     """Case 1 on Flower's engine: the ClientApp's exception ends the run with its message (no hang)."""
-    from dpdro.server.simulate import SimulationError, run_simulation
+    from dpdro.launch.simulate import SimulationError, run_simulation
 
     cfg = small_config(inject_fault="1:1:raise", on_client_failure="fail", round_timeout=60.0)
     with pytest.raises(SimulationError, match="injected failure"):
@@ -147,7 +148,7 @@ def test_flower_client_error_fails_the_run_quickly(small_config, flower_superlin
 def test_flower_drop_policy_completes_and_memory_is_steady(small_config, flower_superlink):
     """Case 2 on Flower: a client failing at one iteration is dropped and training completes; the server's
     memory does not grow over a couple of hundred rounds."""
-    from dpdro.server.simulate import run_simulation
+    from dpdro.launch.simulate import run_simulation
 
     cfg = small_config(iterations=120, q=10, refresh_batch=8, diff_batch=4, eval_every=40, max_test_records=200,
                        inject_fault="1:3:raise", on_client_failure="drop", min_clients=2)

@@ -25,6 +25,7 @@ from dpdro.common.models import make_model
 from dpdro.common.per_sample import FlatModel, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem, dro_weight_bound, dual_x_weight_after_clip
+from dpdro.common.transport import RoundResult
 from dpdro.server import setup as setup_releases
 from dpdro.server.algorithms import make_algorithm
 from dpdro.server.allocation import NoiseProfile, allocate, proxy_variance, variance_rule
@@ -32,7 +33,6 @@ from dpdro.server.diagnostics import NoiseMonitor, planned_phase_ratio
 from dpdro.server.engine import Releaser, plan_run
 from dpdro.server.ledger import Ledger, Mechanism, calibrate, epsilon_of, plan_counts
 from dpdro.server.rundir import RunDir
-from dpdro.server.transport import RoundResult
 
 DELTA = 1e-5
 
@@ -325,9 +325,9 @@ def test_relative_clip_units_scale_queries_and_undo_the_scale():
 
 @pytest.mark.data
 def test_private_eta_init_and_priors_end_to_end(small_config):
+    from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
     from dpdro.server.engine import train
-    from dpdro.server.transport import LocalTransport
 
     cfg = small_config(eta_init_source="private-mean-loss", logit_adjust_tau=1.0, posthoc_tau=0.5,
                        eta_init_noise_multiplier=10.0, prior_noise_multiplier=5.0)

@@ -7,7 +7,7 @@
 - Messages are pushed and pulled with a short poll interval and a deadline (``round-timeout``), not
   ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is unbounded.
 - With ``secure=True`` (noise-mode=distributed) a round whose queries carry client noise goes through SecAgg+
-  (server/secagg.py): the server receives only the sum of the nodes' noised sums, as one reply per query
+  (server/flower/secagg.py): the server receives only the sum of the nodes' noised sums, as one reply per query
   (partition -1) counting the nodes in it; nodes that dropped out are reported as failed partitions.
 """
 
@@ -21,10 +21,11 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from ..common.messages import Query, Reply
-from ..common.wire import HELLO, RELEASE, pack_queries, unpack_replies
-from .secagg import SecAggRange, SecureRound, encode_config
-from .transport import ClientFailure, RoundResult
+from ...common.codec import encode_config
+from ...common.flower.wire import HELLO, RELEASE, pack_queries, unpack_replies
+from ...common.messages import Query, Reply
+from ...common.transport import ClientFailure, RoundResult
+from .secagg import SecAggRange, SecureRound
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.01

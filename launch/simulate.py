@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.data import DataError, data_missing, resolve_cache_dir, resolve_data_root
-from .rundir import RunDir, read_json
+from ..server.rundir import RunDir, read_json
 
 LOCAL_SUPERLINK_HEALTH = "http://127.0.0.1:39091/health"
 
@@ -30,7 +30,9 @@ class SimulationError(RuntimeError):
     """The Flower run failed or did not finish; the message carries Flower's status and log tail."""
 
 
-def _toml_value(v) -> str:
+def toml_value(v) -> str:
+    """One value as Flower's ``--run-config`` parses it (a TOML value): booleans lower-case, strings in single
+    quotes (any single quote inside is dropped), infinity as ``inf``, anything else by ``repr``."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -42,7 +44,7 @@ def _toml_value(v) -> str:
 
 def run_config_string(cfg: Config) -> str:
     """Every key as Flower's --run-config string ("key=value key2='text' ...")."""
-    return " ".join(f"{k}={_toml_value(v)}" for k, v in cfg.to_dict().items())
+    return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.to_dict().items())
 
 
 def _flwr(*args: str) -> list[str]:

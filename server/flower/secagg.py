@@ -25,15 +25,13 @@ workflow's own clipping to [-R, R] essentially never acts.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..common.messages import Query, Reply
-from ..common.wire import query_from_dict, query_to_dict
+from ...common.messages import Query
 
 log = logging.getLogger(__name__)
 MODULUS = 2**32
@@ -64,23 +62,6 @@ class SecAggRange:
     def bound(self, clients: int, sensitivity: float) -> float:
         """Largest error per coordinate of the sum of ``clients`` quantised arrays, in the query's own units."""
         return clients * self.step * sensitivity
-
-
-def encode_config(queries: list[Query], version_ids: list[int]) -> dict:
-    """FitIns config for a node: the queries and the ids of the model versions carried as parameters."""
-    return {"dpdro-queries": json.dumps([query_to_dict(q) for q in queries]),
-            "dpdro-versions": json.dumps(version_ids)}
-
-
-def decode_config(config: dict) -> tuple[list[Query], list[int]]:
-    """Inverse of ``encode_config``: (queries, model version ids of the FitIns parameters)."""
-    return ([query_from_dict(d) for d in json.loads(str(config["dpdro-queries"]))],
-            [int(v) for v in json.loads(str(config["dpdro-versions"]))])
-
-
-def to_units(queries: list[Query], replies: list[Reply]) -> list[np.ndarray]:
-    """A node's FitRes arrays: each noised sum divided by its query's sensitivity."""
-    return [np.asarray(r.total, dtype=np.float64) / q.sensitivity for q, r in zip(queries, replies, strict=True)]
 
 
 class SecureRound:

@@ -2,7 +2,7 @@
 sums over the node's Poisson sample) with the same ``ShardWorker`` the single-node transport uses, and
 'train' messages of Flower's SecAgg+ protocol (noise-mode=distributed): the secaggplus_mod runs the key
 agreement and masking stages itself and calls ``secure_release`` for the node's noised sums, which it
-quantises and masks before they leave the node (server/secagg.py).
+quantises and masks before they leave the node (server/flower/secagg.py).
 
 Per-node state lives in ``context.state`` (the model versions this node holds). The shard and worker are
 cached per process, keyed by the data configuration and partition: in simulation one process serves many
@@ -24,8 +24,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
-from ..common.config import Config
-from ..common.wire import pack_replies, unpack_queries
+from ...common.config import Config
+from ...common.flower.wire import pack_replies, unpack_queries
 
 app = ClientApp()
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def shard_cache_path(cfg: Config, pid: int):
     import hashlib
     import json
 
-    from ..common.data import resolve_cache_dir
+    from ...common.data import resolve_cache_dir
 
     values = {k: v for k, v in sorted(cfg.to_dict().items())
               if k not in _NOT_DATA and not k.startswith(("lr-", "clip-"))}
@@ -80,8 +80,8 @@ def _load_shard(cfg: Config, pid: int):
     import numpy as np
     import torch
 
-    from ..common.data import ArrayDataset, load_from_config
-    from ..common.partition import make_partition
+    from ...common.data import ArrayDataset, load_from_config
+    from ...common.partition import make_partition
 
     path = shard_cache_path(cfg, pid)
     if path.is_file():
@@ -133,7 +133,7 @@ def _partition(context: Context, cfg: Config) -> int:
 
 
 def _worker(cfg: Config, pid: int):
-    from ..client.worker import ShardWorker
+    from ..worker import ShardWorker
 
     run_key = _run_key(cfg)
     key = (run_key, pid)
@@ -192,7 +192,7 @@ def secure_release(msg: Message, context: Context) -> Message:
     import numpy as np
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-    from ..server.secagg import decode_config, to_units
+    from ...common.codec import decode_config, to_units
 
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     queries, version_ids = decode_config(fitins.config)

@@ -232,8 +232,8 @@ def bench_ledger(refresh_seconds: float, releases: int = 10_000) -> dict:
     iterations, q = 10, noise multiplier 1 for every mechanism: the cost does not depend on its value)
     plus one epsilon_spent(), and their share of ``releases`` refresh steps of ``refresh_seconds`` each."""
     from ..common.config import Config
-    from .algorithms import make_algorithm
-    from .ledger import Ledger
+    from ..server.algorithms import make_algorithm
+    from ..server.ledger import Ledger
 
     cfg = Config.from_mapping({"algorithm": "dp-double-spider", "iterations": releases // 2, "q": 10})
     n = 60_000
@@ -297,7 +297,7 @@ def bench_sweep(opts: BenchOptions) -> list[dict]:
     rows = []
     for model, batch, chunk in opts.resolved_sweep():
         reps = 2 if (model == "resnet20" or batch >= 4096) else 3
-        code = ("import json,sys; from dpdro.server.bench import _peak_child; "
+        code = ("import json,sys; from dpdro.simulations.bench import _peak_child; "
                 f"print('RESULT ' + json.dumps(_peak_child({model!r}, {batch}, {chunk}, {opts.device!r}, "
                 f"{opts.threads}, {reps})))")
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # large buffers go back to the OS when freed
@@ -313,11 +313,11 @@ def bench_flower(opts: BenchOptions) -> dict:
     """(d): the same small configuration (MNIST-ST subset, 4 clients, reproducible) single-node in this
     process and through ``flwr run`` on Flower's simulation engine; wall times and per-iteration times from
     each run's metrics.csv (wall_seconds between the first and last evaluation: no start-up)."""
+    from ..client.local_transport import LocalTransport
     from ..common.config import Config
     from ..common.data import load_from_config
-    from .engine import train
-    from .simulate import run_simulation
-    from .transport import LocalTransport
+    from ..launch.simulate import run_simulation
+    from ..server.engine import train
 
     iters = 10 if opts.quick else 30
     base = {"dataset": "mnist-st", "max-train-records": 8000, "max-test-records": 500, "num-clients": 4,

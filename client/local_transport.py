@@ -1,55 +1,19 @@
 """The in-process transport: every client's shard lives in this process (single-node runs and tests).
 
-A transport executes queries on all clients and returns their replies; the engine does not know which
-transport runs it (``server/flower_transport.py`` is the Flower one).
+It satisfies ``common.transport.Transport``; the engine receives it from the launcher and never imports it.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from ..client.worker import ShardWorker
 from ..common.data import ArrayDataset
-from ..common.messages import Query, Reply
+from ..common.messages import Query
 from ..common.partition import make_partition
-
-log = logging.getLogger(__name__)
-
-
-class ClientFailure(RuntimeError):
-    """Clients failed (error, timeout or malformed reply) and the failure policy does not allow going on."""
-
-
-@dataclass
-class RoundResult:
-    """Replies per query id, and partition -> reason for every client that failed this round."""
-
-    replies: dict[str, list[Reply]]
-    failures: dict[int, str] = field(default_factory=dict)
-
-
-class Transport(Protocol):
-    """What the engine needs from a transport."""
-
-    @property
-    def num_records(self) -> int:
-        """Total number of training records over all clients (treated as public)."""
-
-    @property
-    def num_clients(self) -> int:
-        """Number of clients (partitions)."""
-
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
-        """Replies of every client to each query, and the clients that failed (never raises for a client's
-        own error; a deadline bounds every wait)."""
-
-    def close(self) -> None:
-        """Release resources."""
+from ..common.transport import RoundResult
+from .worker import ShardWorker
 
 
 class LocalTransport:

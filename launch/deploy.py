@@ -5,7 +5,7 @@ authentication, the SuperNodes reaching it through the Fleet-only gateway, a run
 This is the deployment of a real federation (FLOWER.md 3.5, 3.6) with every process on one host, so it can
 run in CI. What it does, in order:
 
-1. certificates in ``<work>/certs`` (``server.certs``: CA, SuperLink certificate with SANs localhost and
+1. certificates in ``<work>/certs`` (``launch/certs.py``: CA, SuperLink certificate with SANs localhost and
    127.0.0.1, one P-384 authentication key pair per node), reused when they already exist;
 2. ``flower-superlink --ssl-ca-certfile --ssl-certfile --ssl-keyfile --enable-supernode-auth
    --disable-runtime-dependency-installation --host 127.0.0.1 --port P`` (Flower 1.42 serves the Runtime,
@@ -439,8 +439,8 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     SystemExit, propagates after the cleanup) and Ctrl-C.
     """
     from ..common.data import resolve_cache_dir, resolve_data_root
-    from .rundir import RunDir, read_json
-    from .simulate import _toml_value
+    from ..server.rundir import RunDir, read_json
+    from .simulate import toml_value
 
     if cfg.num_clients != num_nodes:
         raise DeploymentError(f"num-clients={cfg.num_clients} but {num_nodes} SuperNodes: they must be equal")
@@ -454,7 +454,7 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     with stop_on_signals(), LoopbackDeployment(work_dir, num_nodes, [node_cfg] * num_nodes,
                                                superlink_port=superlink_port, supernode_port=supernode_port,
                                                fleet_port=fleet_port) as dep:
-        outcome = dep.run(app_dir, override_string(cfg, _toml_value), timeout=timeout, stream=stream)
+        outcome = dep.run(app_dir, override_string(cfg, toml_value), timeout=timeout, stream=stream)
     if not outcome.ok:
         raise DeploymentError(f"Flower run {outcome.run_id} ended with status {outcome.status!r} "
                               f"{outcome.details}\n{outcome.log_tail}")

@@ -10,7 +10,7 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from ..common.config import Config
+from ...common.config import Config
 
 app = ServerApp()
 
@@ -24,9 +24,9 @@ def _print_eval(row: dict) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from ..common.data import load_from_config
-    from .engine import Progress, train
-    from .flower_transport import FlowerTransport
+    from ...common.data import load_from_config
+    from ..engine import Progress, train
+    from .transport import FlowerTransport
 
     ours = logging.getLogger("dpdro")  # our logger only: the root logger carries Flower's HTTP chatter
     if not ours.handlers:

@@ -1,4 +1,5 @@
-"""Packing of queries, replies and model versions into Flower records (the only Flower-aware schema code).
+"""Packing of queries, replies and model versions into Flower records (the only Flower-aware schema code;
+the Flower-free dict form of a query is ``common/codec.py``).
 
 A release message (type 'query.release') holds one ConfigRecord per query ('q0', 'q1', ...) and an
 ArrayRecord 'versions' with the model versions the node does not hold yet. The reply holds one
@@ -10,29 +11,11 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from .messages import Point, Query, Reply
+from ..codec import query_from_dict, query_to_dict
+from ..messages import Query, Reply
 
 HELLO = "query.hello"
 RELEASE = "query.release"
-
-
-def query_to_dict(q: Query) -> dict:
-    """A query as a flat mapping of scalars and lists (a ConfigRecord's or JSON's content)."""
-    return {"iteration": q.iteration, "mechanism": q.mechanism, "quantity": q.quantity, "rate": q.rate,
-            "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "coefs": [float(c) for c in q.coefs],
-            "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
-            "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
-            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std)}
-
-
-def query_from_dict(c) -> Query:
-    """Inverse of ``query_to_dict`` (missing optional fields take their defaults)."""
-    points = tuple(Point(int(v), float(s)) for v, s in zip(c["versions"], c["scalars"], strict=False))
-    return Query(int(c["iteration"]), str(c["mechanism"]), str(c["quantity"]), points, float(c["rate"]),
-                 float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
-                 tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
-                 tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
-                 float(c.get("noise-std", 0.0)))
 
 
 def pack_queries(queries: list[Query], versions: dict[int, np.ndarray]) -> RecordDict:

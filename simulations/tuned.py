@@ -1,0 +1,28 @@
+"""Where the tuned configurations live and how they are named (``simulations/configs/tuned/``).
+
+Shared by the search that writes them (``tune``), the sweep that runs them (``sweep``), the report tables that
+cite them (``tables``) and the hazard study (``hazards``); it imports none of them, so none imports another
+through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
+TRANSFER_MARK = "# Transferred"  # first line of a file written by ``tune.transfer_tuned``
+
+
+def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path = TUNED_CONFIGS) -> Path:
+    """Config file written by ``dpdro tune`` for (dataset, epsilon, algorithm)."""
+    return folder / f"{dataset}-eps{epsilon:g}-{algorithm}.toml"
+
+
+def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
+    """The source data set when the data set's tuned files were written by ``transfer_tuned`` (their first line
+    says so); None when they came from a search on the data set or there are none."""
+    files = sorted((configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name))
+    if not files:
+        return None
+    first = files[0].read_text().splitlines()[0]
+    return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None

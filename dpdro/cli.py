@@ -105,7 +105,7 @@ def _own_children():
     still below it when the command ends (also by SIGTERM or Ctrl-C) is stopped by PID."""
     import contextlib
 
-    from dpdro.server.processes import become_subreaper, stop_descendants
+    from dpdro.launch.processes import become_subreaper, stop_descendants
 
     @contextlib.contextmanager
     def scope():

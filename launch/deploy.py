@@ -11,7 +11,7 @@ run in CI. What it does, in order:
    --disable-runtime-dependency-installation --host 127.0.0.1 --port P`` (Flower 1.42 serves the Runtime,
    Control and Fleet API on this one HTTPS port, so it listens on the operator's host only), FLWR_HOME
    ``<work>/superlink``; the process listening on P is checked to be the one started here;
-3. the Fleet-only gateway (``server.fleet_gateway``) on port F: the only port the SuperNodes use; it
+3. the Fleet-only gateway (``launch.fleet_gateway``) on port F: the only port the SuperNodes use; it
    forwards ``POST /v1/fleet/*`` to P and refuses the Control and Runtime APIs (no registering, no listing
    runs from the site side);
 4. ``flwr supernode register <node>.pub <connection>`` for each node, by the operator over P (the CLI's
@@ -22,7 +22,7 @@ run in CI. What it does, in order:
    until the status is ``finished:*`` (``flwr run`` exits 0 even when the ServerApp fails: FLOWER.md 3.3);
 7. every process this module started is stopped by its PID (its process group, then its remaining
    descendants by PID), always, also after a failure, Ctrl-C or SIGTERM (``deploy_config`` turns SIGTERM
-   into an exception so the cleanup runs: ``server.processes``).
+   into an exception so the cleanup runs: ``launch.processes``).
 
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` is set for every process, so no ``uv sync`` runs and
 the apps run in this Python environment (FLOWER.md pitfall 14). Logs of every process are in ``<work>/logs``.
@@ -195,7 +195,7 @@ class LoopbackDeployment:
         """The Fleet-only gateway's command line (TLS with the SuperLink's certificate, upstream verified
         with the CA)."""
         assert self.certs is not None
-        return [sys.executable, "-m", "dpdro.server.fleet_gateway", "--listen", self.fleet_address,
+        return [sys.executable, "-m", "dpdro.launch.fleet_gateway", "--listen", self.fleet_address,
                 "--superlink", self.control_address, "--ssl-certfile", str(self.certs.server_cert),
                 "--ssl-keyfile", str(self.certs.server_key), "--root-certificates", str(self.certs.ca_cert)]
 

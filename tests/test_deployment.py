@@ -78,7 +78,7 @@ def _assert_site_port_refuses_control_api(dep, home: Path) -> None:
     runs: every Control API call through that port fails, and the operator still sees only its own nodes."""
     import subprocess
 
-    from dpdro.server.deploy import CONNECTION, HOST, _bin
+    from dpdro.launch.deploy import CONNECTION, HOST, _bin
 
     cmd = dep.superlink_command()
     assert cmd[cmd.index("--host") + 1] == HOST  # Control API on the operator's host only
@@ -111,7 +111,7 @@ def test_fleet_gateway_forwards_only_fleet_calls():
 
     import httpx
 
-    from dpdro.server.fleet_gateway import allowed, create_app
+    from dpdro.launch.fleet_gateway import allowed, create_app
 
     seen = []
 
@@ -247,7 +247,7 @@ def test_compose_matches_tested_deployment_flags():
     # the SuperLink's port (Control API) is published on the operator's host only, on the operator network
     assert link["ports"] == [f"127.0.0.1:{port}:{port}"] and link["networks"] == ["operator"]
     gw = services["fleet-gateway"]
-    assert gw["entrypoint"] == ["python", "-m", "dpdro.server.fleet_gateway"]
+    assert gw["entrypoint"] == ["python", "-m", "dpdro.launch.fleet_gateway"]
     gcmd = gw["command"]
     assert gcmd[gcmd.index("--superlink") + 1] == f"superlink:{port}"
     gw_port = gcmd[gcmd.index("--listen") + 1].rsplit(":", 1)[1]

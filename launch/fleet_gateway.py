@@ -11,7 +11,7 @@ certificate and forwards only ``POST /v1/fleet/<endpoint>`` (the SuperNode's cal
 the SuperLink's node authentication) and ``GET /health``; every other path, method or malformed name gets
 404 here and never reaches the SuperLink.
 
-Run: ``python -m dpdro.server.fleet_gateway --listen 0.0.0.0:9092 --superlink 127.0.0.1:8000
+Run: ``python -m dpdro.launch.fleet_gateway --listen 0.0.0.0:9092 --superlink 127.0.0.1:8000
 --ssl-certfile server.pem --ssl-keyfile server.key --root-certificates ca.crt`` (``dpdro deploy`` starts it;
 ``compose.yaml`` runs it as the ``fleet-gateway`` service). Built on uvicorn, Starlette and httpx (Flower's
 own HTTP stack).
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command line (see the module docstring); serves until SIGTERM/SIGINT."""
     import uvicorn
 
-    p = argparse.ArgumentParser(prog="python -m dpdro.server.fleet_gateway", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpdro.launch.fleet_gateway", description=__doc__.split("\n")[0])
     p.add_argument("--listen", required=True, help="HOST:PORT the sites connect to (e.g. 0.0.0.0:9092)")
     p.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink (operator-only address)")
     p.add_argument("--ssl-certfile", required=True, help="TLS certificate presented to the sites (server.pem)")

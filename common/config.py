@@ -9,13 +9,20 @@ and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import keyword
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
+
 AUTO = "auto"
+# What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
+# 'runtime' how a run executes, not what it computes (a resumed run may change it); 'privacy' the target, the
+# accountant and where noise goes; 'algorithm' everything else that changes what a run computes.
+ROLES = ("data", "runtime", "privacy", "algorithm")
 
 
 class ConfigError(ValueError):
@@ -29,22 +36,34 @@ class ConfigError(ValueError):
 class Field:
     """Declaration of one configuration key.
 
-    kind: "int", "float", "bool" or "str". ``choices`` restricts a str; ``low``/``high`` bound a number
-    (``low_open``/``high_open`` make the bound strict). ``auto`` allows the string "auto" (meaning: derived,
-    see help). ``allow_inf`` allows +inf for a float.
+    kind: "int", "float", "bool" or "str". ``choices`` restricts a str: a tuple, or a function returning one
+    (the names of a plug-in registry, read when a value is checked, so that a plug-in registered later is
+    allowed). ``low``/``high`` bound a number (``low_open``/``high_open`` make the bound strict). ``auto`` allows
+    the string "auto" (meaning: derived, see help). ``allow_inf`` allows +inf for a float. ``role`` (one of
+    ``ROLES``) says what the key changes; the key lists of the engine and the client derive from it.
     """
 
     key: str
     kind: str
     default: Any
     help: str
-    choices: tuple[str, ...] | None = None
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     auto: bool = False
     allow_inf: bool = False
+    role: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"config field '{self.key}': role {self.role!r}; allowed: one of {', '.join(ROLES)}")
+
+    @property
+    def options(self) -> tuple[str, ...] | None:
+        """The allowed strings (``choices`` resolved), or None for any string."""
+        return self.choices() if callable(self.choices) else self.choices
 
     @property
     def attr(self) -> str:
@@ -56,7 +75,7 @@ class Field:
         if self.kind == "bool":
             return "true or false"
         if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
+            return "one of " + ", ".join(repr(c) for c in self.options)
         if self.kind == "str":
             return "a string" + (" or 'auto'" if self.auto else "")
         lo = "-inf" if self.low is None else f"{self.low:g}"
@@ -89,7 +108,7 @@ class Field:
         if self.kind == "str":
             if not isinstance(value, str):
                 raise fail()
-            if self.choices is not None and value not in self.choices:
+            if self.choices is not None and value not in self.options:
                 raise fail()
             return value
         if isinstance(value, bool):
@@ -127,194 +146,229 @@ class Field:
         return out
 
 
-ALGORITHMS = ("dp-double-spider", "recursive-spider", "dp-sgd", "dp-sgd-la", "dp-sgd-dual", "dp-spiderboost",
-              "dp-sgda")
-ETA_ALGORITHMS = ("dp-double-spider", "dp-sgd-dual", "dp-spiderboost")  # algorithms with a dual variable eta
-DATASETS = ("mnist-st", "mnist", "fashion-mnist-st", "fashion-mnist", "cifar10-st", "cifar10", "celeba")
+def _dataset_names() -> tuple[str, ...]:
+    from .data import DATASETS  # late: data.py imports this module (and torch)
+
+    return DATASETS.names()
+
+
+def _model_names() -> tuple[str, ...]:
+    from .models import MODELS  # late: torch
+
+    return ("auto", *MODELS.names())
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """ALGORITHMS, ETA_ALGORITHMS, DATASETS: derived from the plug-in registries when read."""
+    derived = {"ALGORITHMS": algorithm_names, "ETA_ALGORITHMS": eta_algorithms, "DATASETS": _dataset_names}
+    if name in derived:
+        return derived[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 
 FIELDS: tuple[Field, ...] = (
     # what to run
-    Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=ALGORITHMS),
+    Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
     Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2).",
-          choices=DATASETS),
+          choices=_dataset_names, role="data"),
     Field("data-root", "str", AUTO, "Folder holding <Name>/raw/ in torchvision's layout (.gz or extracted). "
-          "'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache.", auto=True),
+          "'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache.", auto=True,
+          role="data"),
     Field("cache-dir", "str", AUTO, "Writable folder for decompressed data. 'auto': $DPDRO_CACHE_DIR, "
-          "else ~/.cache/dpdro.", auto=True),
-    Field("download", "bool", False, "Let torchvision download missing data into the cache (needs internet)."),
+          "else ~/.cache/dpdro.", auto=True, role="data"),
+    Field("download", "bool", False, "Let torchvision download missing data into the cache (needs internet).",
+          role="data"),
     Field("imbalance-ratio", "float", 0.02, "Fraction of each first-half class kept in '-st' sets.",
-          low=0.0, high=1.0, low_open=True),
+          low=0.0, high=1.0, low_open=True, role="data"),
     Field("split-seed", "int", 0, "Seed of the stratified train/validation/test split of the CelebA subset "
-          "(kept apart from 'seed' so that the split stays fixed across training seeds).", low=0, high=2**63 - 1),
+          "(kept apart from 'seed' so that the split stays fixed across training seeds).", low=0, high=2**63 - 1,
+          role="data"),
     Field("max-train-records", "int", 0, "Keep at most this many training records, evenly spaced in file "
-          "order after the '-st' construction (0: all). For tests and smoke runs.", low=0),
+          "order after the '-st' construction (0: all). For tests and smoke runs.", low=0, role="data"),
     Field("max-test-records", "int", 0, "Evaluate on at most this many test records, evenly spaced (0: all).",
-          low=0),
+          low=0, role="data"),
     Field("validation-fraction", "float", 0.0, "Fraction of the training records held out as a validation split "
           "(stratified by class, seeded by split-seed; never trained on). 0: none. The CelebA subset has its own "
-          "fixed 10% validation split, so this key must stay 0 there.", low=0.0, high=0.5, high_open=True),
+          "fixed 10% validation split, so this key must stay 0 there.", low=0.0, high=0.5, high_open=True, role="data"),
     Field("eval-split", "str", "test", "Split evaluated during and after training: 'test' (public) or "
           "'validation' (held-out training records, for tuning: their metrics are not privacy-accounted).",
-          choices=("test", "validation")),
+          choices=("test", "validation"), role="data"),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
-          low=1, high=10_000),
-    Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet")),
+          low=1, high=10_000, role="data"),
+    Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="data"),
     Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'resnet20' (GroupNorm ResNet20, "
           "3x32x32), 'cnn64' (GroupNorm CNN, 3x64x64); 'auto' picks the data set's.",
-          choices=("auto", "cnn", "resnet20", "cnn64")),
+          choices=_model_names, role="algorithm"),
     # DRO problem
-    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS),
+    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
+          role="algorithm"),
     Field("lambda", "float", 1.0, "Penalty weight lambda > 0 of the psi-divergence (public constant).",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("cvar-alpha", "float", 0.1, "Level alpha of 'cvar' and 'smoothed-cvar'.",
-          low=0.0, high=1.0, low_open=True, high_open=True),
+          low=0.0, high=1.0, low_open=True, high_open=True, role="algorithm"),
     Field("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
-          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6),
+          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("eta-init", "float", 0.0, "Initial dual variable when eta-init-source='config' (public).",
-          low=-1e6, high=1e6),
+          low=-1e6, high=1e6, role="algorithm"),
     Field("eta-init-source", "str", "config", "'config': eta starts at eta-init; 'private-mean-loss': at the mean "
           "loss min(l, B) of all records at the initial model divided by eta-scale, released once with Gaussian "
           "noise (multiplier eta-init-noise-multiplier, sensitivity B) and charged to the ledger (chi2's optimal "
-          "eta when every DRO weight is positive).", choices=("config", "private-mean-loss")),
+          "eta when every DRO weight is positive).", choices=("config", "private-mean-loss"), role="algorithm"),
     Field("eta-init-noise-multiplier", "float", 10.0, "Noise multiplier of the private eta initialisation "
-          "(std = multiplier * loss-bound on the loss sum over all n records).", low=0.0, low_open=True, high=1e6),
+          "(std = multiplier * loss-bound on the loss sum over all n records).", low=0.0, low_open=True, high=1e6,
+          role="privacy"),
     Field("dro-clip", "str", "product", "How DRO weights meet clipping (dp-double-spider): 'product' clips "
           "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
           "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
-          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip")),
+          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
     # class-prior correction for long-tailed data (Menon et al. 2021)
     Field("logit-adjust-tau", "float", AUTO, "tau of the logit-adjusted loss CE(f(x) + tau log pi, y) used by "
           "every per-record loss (0: plain cross-entropy). 'auto': 1 for dp-sgd-la, 0 otherwise.", low=0.0,
-          high=100.0, auto=True),
+          high=100.0, auto=True, role="algorithm"),
     Field("posthoc-tau", "float", 0.0, "Post-hoc logit adjustment at prediction: argmax f(x) - tau log pi "
-          "(0: argmax f(x)).", low=0.0, high=100.0),
+          "(0: argmax f(x)).", low=0.0, high=100.0, role="algorithm"),
     Field("class-prior", "str", "private", "Where pi comes from when a tau is > 0: 'private' = a class histogram "
           "of all records released once with Gaussian noise (prior-noise-multiplier) and charged to the ledger; "
-          "'public' = class-prior-values, declared public by you (not accounted).", choices=("private", "public")),
+          "'public' = class-prior-values, declared public by you (not accounted).", choices=("private", "public"),
+          role="privacy"),
     Field("class-prior-values", "str", "", "Comma-separated class counts or frequencies (K non-negative numbers) "
-          "for class-prior='public'.", ),
+          "for class-prior='public'.", role="privacy"),
     Field("prior-noise-multiplier", "float", 10.0, "Noise multiplier (std on each class count; sensitivity 1) "
-          "of the private class histogram.", low=0.0, low_open=True, high=1e6),
+          "of the private class histogram.", low=0.0, low_open=True, high=1e6, role="privacy"),
     # KL-DRO as a compositional problem (recursive-spider) and bounded losses
     Field("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
-          low=0.0, high=1e3),
+          low=0.0, high=1e3, role="algorithm"),
     Field("lambda-init", "float", 1.0, "Initial lambda of recursive-spider (public).", low=0.0, low_open=True,
-          high=1e6),
+          high=1e6, role="algorithm"),
     Field("lambda0", "float", 0.1, "Lower bound lambda0 > 0 of recursive-spider's lambda.", low=0.0,
-          low_open=True, high=1e6),
+          low_open=True, high=1e6, role="algorithm"),
     Field("lambda-max", "float", 10.0, "Upper bound of recursive-spider's lambda.", low=0.0, low_open=True,
-          high=1e6),
+          high=1e6, role="algorithm"),
     Field("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
           "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (ALGORITHMS.md 2.4).",
-          low=0.0, low_open=True, high=1e4),
+          low=0.0, low_open=True, high=1e4, role="algorithm"),
     Field("u-scale", "float", 1.0, "c_u: the d_lambda block is multiplied by c_u before the joint clip of "
           "recursive-spider's v/u release (and divided after), so it is not swamped by the d-dim block.",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w).",
-          low=0.0, high=1.0),
+          low=0.0, high=1.0, role="algorithm"),
     Field("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
-          high=1.0),
+          high=1.0, role="algorithm"),
     Field("s-batch", "int", 1024, "Expected Poisson batch size of recursive-spider's s release.", low=1,
-          high=10**9),
+          high=10**9, role="algorithm"),
     Field("clip-s", "float", 1.0, "Clipping norm of the per-record STORM term g~(w_t) - (1-beta) g~(w_{t-1}) "
-          "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6),
+          "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("s-noise-ratio", "float", 2.0, "Noise multiplier of the s releases relative to the v/u releases.",
-          low=0.0, low_open=True, high=1e3),
+          low=0.0, low_open=True, high=1e3, role="privacy"),
     Field("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
-          high=1e6),
-    Field("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6),
+          high=1e6, role="algorithm"),
+    Field("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6,
+          role="algorithm"),
     Field("clip-stats", "float", 4.2, "Clipping norm of dp-sgda's per-record class statistics "
-          "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6),
+          "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     # optimisation
-    Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000),
+    Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000, role="algorithm"),
     Field("q", "int", 5, "SPIDER phase length: a refresh every q iterations, differences in between.",
-          low=1, high=10_000_000),
+          low=1, high=10_000_000, role="algorithm"),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
-          "refresh-batch / n).", low=1, high=10**9),
-    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1, high=10**9),
-    Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6),
-    Field("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6),
+          "refresh-batch / n).", low=1, high=10**9, role="algorithm"),
+    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1, high=10**9,
+          role="algorithm"),
+    Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    Field("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6, role="algorithm"),
     Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("clip-eta", "float", 1.0, "Clipping norm C_eta of per-record eta-gradients (refresh).",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("clip-diff", "float", 4.0, "C_diff: difference clip C_t = min(C_diff * Delta_t, C_max), Delta_t the "
-          "distance between the two parameter points.", low=0.0, low_open=True, high=1e6),
+          "distance between the two parameter points.", low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("clip-diff-max", "float", 0.15, "C_max, the largest difference clipping norm (0.15 with q = 5 and "
           "diff-batch = refresh-batch / 2 keeps a phase's difference noise near its refresh noise: "
           "server/diagnostics.py).",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
           "(calibration scales both to meet the target; noise-allocation='ratios').", low=0.0, low_open=True,
-          high=1e3),
+          high=1e3, role="privacy"),
     Field("noise-allocation", "str", "variance", "How the noise multipliers of an algorithm's mechanisms relate: "
           "'ratios' = eta-noise-ratio / s-noise-ratio; 'variance' = the rule of server/allocation.py minimising "
           "the weighted noise variance of the released estimates per unit of privacy (calibration then scales "
-          "all of them to the target).", choices=("ratios", "variance")),
+          "all of them to the target).", choices=("ratios", "variance"), role="privacy"),
     Field("rs-clip-units", "str", "absolute", "recursive-spider's v/u clip bounds: 'absolute' (clip-x, clip-diff "
           "on [grad_x g~ ; c_u d_lambda g~]) or 'relative' (the vector is scaled by lambda_t / s_{t-1} first, so the "
           "bounds are in the units of the update z = lambda v / s; ALGORITHMS.md 5.4).",
-          choices=("absolute", "relative")),
+          choices=("absolute", "relative"), role="algorithm"),
     Field("clip-count-scale", "float", 0.1, "c: every private release carries one more coordinate "
           "c * clip * 1[record clipped], so its noisy value estimates the clipped fraction (the sensitivity becomes "
-          "clip sqrt(1 + c^2): 0.5% more noise at 0.1). 0: not measured.", low=0.0, high=10.0),
+          "clip sqrt(1 + c^2): 0.5% more noise at 0.1). 0: not measured.", low=0.0, high=10.0, role="algorithm"),
     Field("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
-          "(public coin) as in the theory.", choices=("last", "random")),
+          "(public coin) as in the theory.", choices=("last", "random"), role="algorithm"),
     # privacy
     Field("epsilon", "float", 4.0, "Target epsilon of (epsilon, delta)-DP at record level; inf: not private "
-          "(no clipping, no noise).", low=0.0, low_open=True, allow_inf=True, high=1e4),
+          "(no clipping, no noise).", low=0.0, low_open=True, allow_inf=True, high=1e4, role="privacy"),
     Field("delta", "float", AUTO, "Target delta; 'auto': n^-1.1 for n training records.", low=0.0,
-          high=1.0, low_open=True, high_open=True, auto=True),
+          high=1.0, low_open=True, high_open=True, auto=True, role="privacy"),
     Field("accountant", "str", "pld", "dp-accounting accountant: 'pld' (privacy loss distributions: the tight one, "
           "about 5-10% less noise at the same target) or 'rdp' (Renyi DP: a looser bound, cheaper at huge epsilons).",
-          choices=("pld", "rdp")),
+          choices=("pld", "rdp"), role="privacy"),
     Field("noise-mode", "str", "central", "Where the Gaussian noise is added: 'central' (the server adds it to the "
           "sum of clipped sums: a trusted server), 'distributed' (each client adds its 1/m share of the variance and "
           "the server only sees the SecAgg+ sum on Flower), 'local' (each client adds the full noise: private even "
-          "against the server). README: trust models.", choices=("central", "distributed", "local")),
+          "against the server). README: trust models.", choices=("central", "distributed", "local"), role="privacy"),
     Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
-          "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True),
+          "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True, role="privacy"),
     Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
           "(at least 2 shares): lower tolerates more dropouts, higher resists more colluding nodes.", low=0.0,
-          high=1.0, low_open=True),
+          high=1.0, low_open=True, role="privacy"),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
-          low=0, high=2**63 - 1),
+          low=0, high=2**63 - 1, role="data"),
     Field("reproducible", "bool", False, "true: every random draw derives from seed (tests, equivalence); "
-          "false: sampling and noise from the OS CSPRNG."),
+          "false: sampling and noise from the OS CSPRNG.", role="privacy"),
     Field("eval-every", "int", 50, "Evaluate (and report epsilon spent) every this many iterations.",
-          low=1),
+          low=1, role="runtime"),
     Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations (0: only at the "
-          "end).", low=0),
-    Field("resume", "bool", False, "Continue the run in out-dir from its checkpoint (its config must match)."),
+          "end).", low=0, role="runtime"),
+    Field("resume", "bool", False, "Continue the run in out-dir from its checkpoint (its config must match).",
+          role="runtime"),
     Field("out-dir", "str", "runs/latest", "Run directory (relative paths resolve against the current "
-          "directory of the process that trains)."),
-    Field("device", "str", "cpu", "Torch device for computation.", choices=("cpu", "cuda")),
-    Field("dtype", "str", "float32", "Torch dtype of model computations.", choices=("float32", "float64")),
+          "directory of the process that trains).", role="runtime"),
+    Field("device", "str", "cpu", "Torch device for computation.", choices=("cpu", "cuda"), role="algorithm"),
+    Field("dtype", "str", "float32", "Torch dtype of model computations.", choices=("float32", "float64"),
+          role="algorithm"),
     Field("chunk-size", "int", 256, "Records per vectorised per-record gradient chunk (bounds memory).",
-          low=1, high=1_000_000),
-    Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024),
+          low=1, high=1_000_000, role="runtime"),
+    Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024, role="runtime"),
     Field("round-timeout", "float", 600.0, "Seconds the Flower server waits for replies of one round.",
-          low=0.0, low_open=True, high=1e6),
+          low=0.0, low_open=True, high=1e6, role="runtime"),
     Field("on-client-failure", "str", "retry", "When a client fails or sends a malformed reply: 'fail' the run "
           "with its error; 'retry' the release (max-retries times, then fail); 'drop' the failed clients from "
           "this release (central noise keeps its full std; assumes failures do not depend on records).",
-          choices=("fail", "retry", "drop")),
+          choices=("fail", "retry", "drop"), role="runtime"),
     Field("max-retries", "int", 2, "Retries of a release after a client failure (on-client-failure=retry).",
-          low=0, high=100),
+          low=0, high=100, role="runtime"),
     Field("min-clients", "int", 1, "With on-client-failure=drop: fewest clients a release may use; fewer "
-          "means retry, then fail.", low=1, high=10_000),
+          "means retry, then fail.", low=1, high=10_000, role="runtime"),
     Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
-          choices=("poisson", "fixed-size")),
+          choices=("poisson", "fixed-size"), role="privacy"),
     Field("inject-fault", "str", "", "Testing only: '<partition>:<iteration>:<kind>' makes that client fail at "
-          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang."),
+          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang.",
+          role="runtime"),
 )
 
 FIELD_BY_KEY: dict[str, Field] = {f.key: f for f in FIELDS}
+
+
+def keys_with_role(*roles: str) -> tuple[str, ...]:
+    """The config keys whose ``Field.role`` is one of ``roles`` (in FIELDS order); ValueError for an unknown role."""
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise ValueError(f"unknown role(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(ROLES)}")
+    return tuple(f.key for f in FIELDS if f.role in roles)
 
 
 def _make_config_class() -> type:
@@ -360,6 +414,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
 
     @property
     def private(self) -> bool:
+        """Whether the run is private (finite epsilon)."""
         return not math.isinf(self.epsilon)
 
     def _check_combinations(self) -> None:
@@ -387,24 +442,34 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
             raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
-        if self.dataset == "celeba" and self.validation_fraction > 0:
+        from .data import DATASETS  # late: data.py imports this module (and torch)
+
+        own_validation = DATASETS[self.dataset].own_validation
+        if own_validation and self.validation_fraction > 0:
             raise ConfigError(f"config key 'validation-fraction': got {self.validation_fraction}; allowed for "
-                              "celeba: 0 only (the CelebA subset has its own fixed validation split)")
-        if self.eval_split == "validation" and self.dataset != "celeba" and self.validation_fraction == 0:
+                              f"{self.dataset}: 0 only (the data set has its own fixed validation split)")
+        if self.eval_split == "validation" and not own_validation and self.validation_fraction == 0:
+            own = ", ".join(repr(n) for n, s in DATASETS.items() if s.own_validation)
             raise ConfigError("config key 'eval-split': got 'validation'; allowed only with validation-fraction > 0 "
-                              f"(got {self.validation_fraction}) or dataset 'celeba'")
+                              f"(got {self.validation_fraction}) or a data set with its own validation split ({own})")
         if self.class_prior == "public" and self.uses_priors:
             self.public_prior()  # raises for a malformed list
-        if self.algorithm == "dp-sgd-la" and self.tau == 0:
-            raise ConfigError("config key 'logit-adjust-tau': got 0; allowed for dp-sgd-la: > 0 or 'auto' (dp-sgd-la "
-                              "is DP-SGD on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
+        if ALGORITHM_SPECS[self.algorithm].logit_adjusted and self.tau == 0:
+            raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
+                              "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
 
     @property
     def tau(self) -> float:
-        """The logit-adjustment tau in effect ('auto': 1 for dp-sgd-la, 0 otherwise)."""
+        """The logit-adjustment tau in effect ('auto': 1 for an algorithm on the logit-adjusted loss such as
+        dp-sgd-la, 0 otherwise)."""
         if self.logit_adjust_tau == AUTO:
-            return 1.0 if self.algorithm == "dp-sgd-la" else 0.0
+            return 1.0 if ALGORITHM_SPECS[self.algorithm].logit_adjusted else 0.0
         return float(self.logit_adjust_tau)
+
+    def clip(self, bound: float) -> float:
+        """The clipping bound in effect: ``bound`` in a private run, inf (no clipping) when epsilon = inf. The one
+        place that decides that a non-private run clips nothing."""
+        return bound if self.private else math.inf
 
     @property
     def uses_priors(self) -> bool:
@@ -414,7 +479,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
     @property
     def private_eta_init(self) -> bool:
         """Whether eta starts from the private mean-loss release."""
-        return self.eta_init_source == "private-mean-loss" and self.algorithm in ETA_ALGORITHMS
+        return self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
 
     def public_prior(self) -> list[float]:
         """class-prior-values as non-negative floats; raises ConfigError if empty, malformed or all zero."""
@@ -462,18 +527,29 @@ def parse_set_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def toml_value(v: Any) -> str:
+    """A config value as TOML text: true/false, inf, a number's repr, or a string (basic "..." with JSON escapes,
+    or literal '...' when it contains a double quote: Flower's --run-config parser cannot read an escaped one).
+    The one TOML writer of the project (config files, pyproject.toml's table, Flower's --run-config).
+    Raises ValueError for a string holding both quote characters."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        if '"' not in v:
+            return json.dumps(v)
+        if "'" in v or "\n" in v:
+            raise ValueError(f"cannot write {v!r} as a TOML value that Flower reads: it holds both quote characters")
+        return "'" + v + "'"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return repr(v)
+
+
+def toml_lines(values: Mapping[str, Any]) -> str:
+    """``key = value`` lines (no trailing newline) of a flat mapping, values by ``toml_value``."""
+    return "\n".join(f"{k} = {toml_value(v)}" for k, v in values.items())
+
+
 def default_toml_table() -> str:
     """The ``[tool.flwr.app.config]`` body for pyproject.toml, generated from FIELDS."""
-    lines = []
-    for f in FIELDS:
-        v = f.default
-        if isinstance(v, bool):
-            text = "true" if v else "false"
-        elif isinstance(v, str):
-            text = f'"{v}"'
-        elif isinstance(v, float) and math.isinf(v):
-            text = "inf"
-        else:
-            text = repr(v)
-        lines.append(f"{f.key} = {text}")
-    return "\n".join(lines)
+    return toml_lines({f.key: f.default for f in FIELDS})

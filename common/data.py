@@ -31,6 +31,7 @@ import hashlib
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from .config import AUTO
+from .registry import Registry
 
 
 class DataError(FileNotFoundError):
@@ -66,16 +68,37 @@ class ArrayDataset:
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)
 
 
-# dataset key -> (torchvision class name, long-tailed?)
-_SOURCES = {
-    "mnist": ("MNIST", False),
-    "mnist-st": ("MNIST", True),
-    "fashion-mnist": ("FashionMNIST", False),
-    "fashion-mnist-st": ("FashionMNIST", True),
-    "cifar10": ("CIFAR10", False),
-    "cifar10-st": ("CIFAR10", True),
-    "celeba": ("CelebA", False),
-}
+Loader = Callable[[str, Path, Path, bool, int], "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Declaration of one data set (an entry of ``DATASETS``).
+
+    load(split, data_root, cache_dir, download, split_seed) -> (images, labels, groups): uint8 images (N, H, W) or
+    (N, C, H, W), int64 labels (N,) in [0, num_classes), and int64 groups (N,) in [0, num_groups) or None; ``split``
+    is 'train' or 'test', or also 'val' when ``own_validation``. Raises DataError when files are missing.
+    long_tailed: the training split is made long-tailed by the '-ST' rule (config key imbalance-ratio).
+    own_validation: the data set has its own validation split (config validation-fraction must stay 0).
+    default_model: the model config key model='auto' picks (a name in ``common.models.MODELS``).
+    """
+
+    load: Loader
+    num_classes: int
+    default_model: str
+    long_tailed: bool = False
+    own_validation: bool = False
+    num_groups: int = 0
+
+
+DATASETS: Registry[DatasetSpec] = Registry("dataset")
+
+
+def register_dataset(name: str, spec: DatasetSpec) -> DatasetSpec:
+    """Add a data set under config value ``name`` (ValueError if taken); returns ``spec``."""
+    return DATASETS.register(name, spec)
+
+
 CELEBA_SIZE = 64
 CELEBA_SPLIT = (0.8, 0.1, 0.1)
 CELEBA_SUBSET_DIR = "img_align_celeba_89x109"
@@ -318,41 +341,54 @@ def _to_float(images: torch.Tensor) -> torch.Tensor:
 def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cache_dir: str = AUTO,
                  download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0,
                  split_seed: int = 0, validation_fraction: float = 0.0) -> ArrayDataset:
-    """Load a split of ``dataset`` (config key values) as an ArrayDataset.
+    """Load a split of ``dataset`` (a name in ``DATASETS``) as an ArrayDataset.
 
     ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for the
-    validation split: CelebA's own, or for the other data sets the ``validation_fraction`` of the training
+    validation split: the data set's own (CelebA), or for the others the ``validation_fraction`` of the training
     split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
     excludes. Raises ValueError for an unknown dataset or split and DataError when files are missing or
     corrupt.
     """
-    if dataset not in _SOURCES:
-        raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(_SOURCES)}")
+    spec = DATASETS.get_entry(dataset)
     split = {True: "train", False: "test"}.get(train, train)
-    if split not in ("train", "val", "test") or (split == "val" and dataset != "celeba" and validation_fraction <= 0):
+    if split not in ("train", "val", "test") or (split == "val" and not spec.own_validation
+                                                 and validation_fraction <= 0):
         raise ValueError(f"unknown split {train!r} for {dataset} (a validation split needs validation-fraction > 0)")
-    class_name, long_tailed = _SOURCES[dataset]
     root, cache = resolve_data_root(data_root), resolve_cache_dir(cache_dir)
-    groups = None
-    from_train_files = split in ("train", "val")  # a validation split is carved from the training files
-    if class_name == "CIFAR10":
-        images, labels = _load_cifar10(from_train_files, root, cache, download)
-    elif class_name == "CelebA":
-        images, labels, groups = _load_celeba(split, root, cache, download, split_seed)
-    else:
-        images, labels = _load_torchvision(class_name, from_train_files, root, cache, download)
-    num_classes = 2 if class_name == "CelebA" else 10
+    # a validation split is carved from the training files, unless the data set has its own
+    files = split if spec.own_validation or split == "test" else "train"
+    images, labels, groups = spec.load(files, root, cache, download, split_seed)
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
-    if split in ("train", "val") and class_name != "CelebA":
-        if long_tailed:
-            idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
+    if split in ("train", "val") and not spec.own_validation:
+        if spec.long_tailed:
+            idx = long_tailed_indices(labels_np, spec.num_classes, imbalance_ratio)
         if validation_fraction > 0:
             idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
     t = torch.as_tensor(idx)
-    return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
-                        None if groups is None else groups[t].clone(), 4 if groups is not None else 0)
+    return ArrayDataset(_to_float(images[t]), labels[t].clone(), spec.num_classes, dataset,
+                        None if groups is None else groups[t].clone(), spec.num_groups if groups is not None else 0)
+
+
+def _torchvision_loader(class_name: str) -> Loader:
+    def load(split, data_root, cache_dir, download, split_seed):
+        return (*_load_torchvision(class_name, split == "train", data_root, cache_dir, download), None)
+
+    return load
+
+
+def _cifar10_loader(split, data_root, cache_dir, download, split_seed):
+    return (*_load_cifar10(split == "train", data_root, cache_dir, download), None)
+
+
+# ---- the built-in data sets ('-st': long-tailed, ALGORITHMS.md 6.2) ----
+for _name, _class, _model in (("mnist", "MNIST", "cnn"), ("fashion-mnist", "FashionMNIST", "cnn")):
+    register_dataset(f"{_name}-st", DatasetSpec(_torchvision_loader(_class), 10, _model, long_tailed=True))
+    register_dataset(_name, DatasetSpec(_torchvision_loader(_class), 10, _model))
+register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "resnet20", long_tailed=True))
+register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
+register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
 
 
 def data_missing(cfg) -> str | None:

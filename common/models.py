@@ -6,8 +6,22 @@ per-record sensitivity no longer exists (ALGORITHMS.md 5.3, item 8). Only GroupN
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from .registry import Registry
+
+# name -> factory(num_classes) -> nn.Module (config key ``model``); a model is one class with ``register_model``.
+MODELS: Registry[Callable[[int], nn.Module]] = Registry("model")
+
+
+def register_model(name: str):
+    """Class (or factory) decorator: register a model under config value ``name``. It is called with
+    ``num_classes`` and must return an ``nn.Module`` mapping (B, *input shape) float to (B, num_classes) logits
+    without mixing records (``validate_model`` runs on every build). ValueError if the name is taken."""
+    return MODELS.register(name)
 
 
 class ModelError(ValueError):
@@ -32,6 +46,7 @@ def validate_model(model: nn.Module) -> nn.Module:
     return model
 
 
+@register_model("cnn")
 class GroupNormCNN(nn.Module):
     """CNN for 1x28x28 inputs with GroupNorm and tanh (tanh suits DP-SGD: Papernot et al. 2021).
 
@@ -75,6 +90,7 @@ class _BasicBlock(nn.Module):
         return torch.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
 
 
+@register_model("resnet20")
 class GroupNormResNet20(nn.Module):
     """ResNet20 (He et al. 2016, the CIFAR variant: 3 stages of 3 basic blocks, 16/32/64 channels) with
     GroupNorm (8 groups) in place of BatchNorm and 1x1-convolution shortcuts where the shape changes.
@@ -97,6 +113,7 @@ class GroupNormResNet20(nn.Module):
         return self.head(self.blocks(self.stem(x)))
 
 
+@register_model("cnn64")
 class GroupNormCNN64(nn.Module):
     """Small CNN for 3x64x64 inputs (CelebA at 64x64) with GroupNorm and tanh.
 
@@ -116,36 +133,34 @@ class GroupNormCNN64(nn.Module):
         return self.head(self.features(x))
 
 
-MODELS = ("cnn", "resnet20", "cnn64")
-DEFAULT_MODEL = {"mnist": "cnn", "mnist-st": "cnn", "fashion-mnist": "cnn", "fashion-mnist-st": "cnn",
-                 "cifar10": "resnet20", "cifar10-st": "resnet20", "celeba": "cnn64"}
-
-
 def resolve_model(name: str, dataset: str) -> str:
-    """Config key ``model``: 'auto' picks the data set's model (cnn for 28x28 grey, resnet20 for CIFAR-10,
-    cnn64 for CelebA at 64x64); any other name is returned unchanged."""
-    return DEFAULT_MODEL[dataset] if name == "auto" else name
+    """Config key ``model``: 'auto' picks the data set's default model (``DatasetSpec.default_model``: cnn for
+    28x28 grey, resnet20 for CIFAR-10, cnn64 for CelebA at 64x64); any other name is returned unchanged."""
+    from .data import DATASETS
+
+    return DATASETS.get_entry(dataset).default_model if name == "auto" else name
 
 
 def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Build and validate the model for config key ``model``, initialised from ``seed`` (public).
+    """Build and validate the model registered as ``name`` (config key ``model``), initialised from ``seed``
+    (public). Use ``resolve_model`` first for the config value 'auto'.
 
-    'cnn': GroupNormCNN (1x28x28 inputs); 'resnet20': GroupNormResNet20 (3x32x32 inputs); 'cnn64':
-    GroupNormCNN64 (3x64x64 inputs). Use ``resolve_model`` first for the config value 'auto'.
-
-    Raises ValueError for an unknown name.
+    Raises ValueError for an unknown name and ModelError for a model that mixes records.
     """
+    factory = MODELS.get_entry(name)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        if name == "cnn":
-            model = GroupNormCNN(num_classes)
-        elif name == "resnet20":
-            model = GroupNormResNet20(num_classes)
-        elif name == "cnn64":
-            model = GroupNormCNN64(num_classes)
-        else:
-            raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+        model = factory(num_classes)
     finally:
         torch.random.set_rng_state(gen_state)
     return validate_model(model.to(dtype))
+
+
+def __getattr__(name: str) -> dict[str, str]:
+    """DEFAULT_MODEL (data set -> its default model): derived from the data-set registry when read."""
+    if name == "DEFAULT_MODEL":
+        from .data import DATASETS
+
+        return {d: spec.default_model for d, spec in DATASETS.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ import torch
 from .dro import dro_weight, dual_eta_grad
 from .per_sample import FlatModel, clip_rows
 from .psi import Psi, make_psi
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,18 @@ class Problem:
 
 QuantityFn = Callable[[FlatModel, torch.Tensor, float, torch.Tensor, torch.Tensor, Problem, Sequence[float]],
                       torch.Tensor]
+# name -> per-record function (the name a Query carries); an algorithm's spec lists the names it uses.
+QUANTITIES: Registry[QuantityFn] = Registry("quantity")
 
 
+def register_quantity(name: str):
+    """Function decorator: register a per-record quantity under ``name``. Signature: (model, flat, scalar, x, y,
+    problem, extra) -> (B, D) tensor, one row per record (the client clips and sums the rows, so a row may depend
+    on its own record only). ValueError if the name is taken."""
+    return QUANTITIES.register(name)
+
+
+@register_quantity("dual-eta")
 def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """d_eta L(x, eta; xi) = G (1 - psi*'(s)) per record, shape (B, 1). ``eta`` is the point's scalar.
     With ``problem.clamp_weights`` the loss is clamped at the public bound B first, as in
@@ -61,6 +72,7 @@ def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     return dual_eta_grad(losses, eta, problem.psi, problem.lam, problem.eta_scale).unsqueeze(1)
 
 
+@register_quantity("dual-x")
 def dual_x(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """grad_x L(x, eta; xi) = psi*'(s) grad_x l(x; xi) per record, shape (B, d)."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
@@ -74,6 +86,7 @@ def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bo
     return float(psi.weight(torch.tensor([(loss_bound - eta_scale * eta) / lam], dtype=torch.float64))[0])
 
 
+@register_quantity("dual-x-wac")
 def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """DRO weights that survive clipping (ALGORITHMS.md 5.4): w~ clip_C(grad_x l) per record, shape (B, d),
     with C = extra[0] the clip of the loss gradient and w~ = psi*'((min(l, B) - G eta) / lambda) the weight
@@ -90,6 +103,7 @@ def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch
     return clip_rows(grads, float(extra[0])) * w.unsqueeze(1)
 
 
+@register_quantity("dual-joint")
 def dual_joint(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """[grad_x L ; d_eta L] per record, shape (B, d + 1): the gradient in z = (x, eta) as one variable
     (dp-sgd-dual and dp-spiderboost)."""
@@ -98,24 +112,28 @@ def dual_joint(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     return torch.cat([grads * w.unsqueeze(1), (problem.eta_scale * (1.0 - w)).unsqueeze(1)], dim=1)
 
 
+@register_quantity("ce-grad")
 def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """grad_x l(x; xi) of the cross-entropy (ERM, dp-sgd; logit-adjusted when the query carries an offset),
     shape (B, d). ``scalar`` is unused."""
     return model.losses_and_grads(flat, x, y, problem.offset)[1]
 
 
+@register_quantity("class-weighted-grad")
 def class_weighted_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """extra[y] * grad_x l(x; xi): per-class weights (K,) given by the query (dp-sgda's descent), (B, d)."""
     weights = torch.as_tensor(list(extra), dtype=flat.dtype, device=flat.device)
     return model.losses_and_grads(flat, x, y, problem.offset)[1] * weights[y].unsqueeze(1)
 
 
+@register_quantity("class-onehot")
 def class_onehot(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """e_y per record, shape (B, K) with K = len(extra): summed, the class histogram (norm 1 per record, so
     its sensitivity under add/remove is 1). Touches no parameter."""
     return torch.nn.functional.one_hot(y, len(extra)).to(flat.dtype)
 
 
+@register_quantity("bounded-loss")
 def bounded_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """min(l(x; xi), B) per record, shape (B, 1), in [0, B]: summed, the loss total behind a private
     eta initialisation (sensitivity B)."""
@@ -123,6 +141,7 @@ def bounded_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
         return torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound).unsqueeze(1)
 
 
+@register_quantity("class-loss-stats")
 def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """[e_y min(l, B) ; e_y] per record, shape (B, 2K) with K = len(extra): summed, the per-class sums of
     (bounded) losses and per-class counts (dp-sgda's ascent). Norm <= sqrt(B^2 + 1)."""
@@ -138,6 +157,7 @@ def _kl_terms(losses: torch.Tensor, lam: float, bound: float) -> torch.Tensor:
     return torch.exp((torch.clamp(losses, max=bound) - bound) / lam)
 
 
+@register_quantity("kl-g")
 def kl_g(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     """g~(w; xi) per record, shape (B, 1), at w = (flat, lambda)."""
     with torch.no_grad():
@@ -145,6 +165,7 @@ def kl_g(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     return _kl_terms(losses, lam, problem.loss_bound).unsqueeze(1)
 
 
+@register_quantity("kl-vu")
 def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     """k [grad_x g~ ; c_u d_lambda g~] per record, shape (B, d + 1), with grad_x g~ = g~ grad l / lambda
     (zero where l > B: the clamp is part of the model) and d_lambda g~ = g~ (B - min(l, B)) / lambda^2.
@@ -160,18 +181,3 @@ def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     u = g * (problem.loss_bound - torch.clamp(losses, max=problem.loss_bound)) / lam**2
     out = torch.cat([v, (problem.u_scale * u).unsqueeze(1)], dim=1)
     return out * float(extra[0]) if extra else out
-
-
-QUANTITIES: dict[str, QuantityFn] = {
-    "dual-eta": dual_eta,
-    "dual-x": dual_x,
-    "dual-x-wac": dual_x_weight_after_clip,
-    "dual-joint": dual_joint,
-    "ce-grad": ce_grad,
-    "class-weighted-grad": class_weighted_grad,
-    "class-loss-stats": class_loss_stats,
-    "kl-g": kl_g,
-    "kl-vu": kl_vu,
-    "class-onehot": class_onehot,
-    "bounded-loss": bounded_loss,
-}

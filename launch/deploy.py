@@ -438,9 +438,9 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     summary; every process is stopped in all cases, also on SIGTERM/SIGHUP (then ``TerminatedBySignal``, a
     SystemExit, propagates after the cleanup) and Ctrl-C.
     """
+    from ..common.config import toml_value
     from ..common.data import resolve_cache_dir, resolve_data_root
     from ..server.rundir import RunDir, read_json
-    from .simulate import toml_value
 
     if cfg.num_clients != num_nodes:
         raise DeploymentError(f"num-clients={cfg.num_clients} but {num_nodes} SuperNodes: they must be equal")

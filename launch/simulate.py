@@ -10,7 +10,6 @@ is stopped afterwards if this call started it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..common.config import Config
+from ..common.config import Config, toml_value
 from ..common.data import DataError, data_missing, resolve_cache_dir, resolve_data_root
 from ..server.rundir import RunDir, read_json
 
@@ -30,20 +29,8 @@ class SimulationError(RuntimeError):
     """The Flower run failed or did not finish; the message carries Flower's status and log tail."""
 
 
-def toml_value(v) -> str:
-    """One value as Flower's ``--run-config`` parses it (a TOML value): booleans lower-case, strings in single
-    quotes (any single quote inside is dropped), infinity as ``inf``, anything else by ``repr``."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return "'" + v.replace("'", "") + "'"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    return repr(v)
-
-
 def run_config_string(cfg: Config) -> str:
-    """Every key as Flower's --run-config string ("key=value key2='text' ...")."""
+    """Every key as Flower's --run-config string ('key=value key2="text" ...')."""
     return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.to_dict().items())
 
 

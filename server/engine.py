@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..common.config import AUTO, Config, ConfigError
+from ..common.config import AUTO, Config, ConfigError, keys_with_role
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
 from ..common.models import make_model, resolve_model
@@ -40,8 +40,9 @@ from .rundir import RunDir, read_json, write_json
 log = logging.getLogger(__name__)
 
 # Keys that do not change what a run computes: a resumed run may differ in these.
-RUNTIME_KEYS = ("resume", "out-dir", "threads", "round-timeout", "eval-every", "checkpoint-every", "chunk-size",
-                "on-client-failure", "max-retries", "min-clients", "inject-fault")
+RUNTIME_KEYS = keys_with_role("runtime")
+# Facts about the run that config.json holds beside the config keys (written by ``train``, skipped on resume).
+RUN_FACTS = ("delta_resolved", "n", "transport", "versions")
 
 
 class ResumeError(ValueError):
@@ -248,8 +249,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
 
     rd = RunDir(cfg.out_dir)
     rd.create()
-    meta_config = {**cfg.to_dict(), "delta_resolved": delta, "n": n, "transport": transport_name,
-                   "versions": _versions()}
+    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, _versions()), strict=True))
+    meta_config = {**cfg.to_dict(), **facts}
     x0 = model.initial().double().numpy()
     releaser = Releaser(cfg, transport, ledger, n, rd)
     rows: list[dict] = []
@@ -414,7 +415,7 @@ def load_run_config(out_dir: str) -> Config:
     if not path.exists():
         raise ResumeError(f"no config.json in {out_dir}: not a dpdro run directory")
     saved = read_json(path)
-    keys = {k: v for k, v in saved.items() if k not in ("delta_resolved", "n", "transport", "versions")}
+    keys = {k: v for k, v in saved.items() if k not in RUN_FACTS}
     if keys.get("epsilon") == "inf":
         keys["epsilon"] = math.inf
     return Config.from_mapping(keys)

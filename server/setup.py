@@ -71,11 +71,11 @@ def stages(cfg, num_classes: int) -> list[list[Query]]:
     privacy (epsilon=inf) the histogram is still taken (exact counts, nothing to protect)."""
     out = []
     if cfg.uses_priors and cfg.class_prior == "private":
-        clip = 1.0 if cfg.private else math.inf
+        clip = cfg.clip(1.0)
         out.append([Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
                           extra=(0.0,) * num_classes)])
     if cfg.private_eta_init:
-        clip = cfg.loss_bound if cfg.private else math.inf
+        clip = cfg.clip(cfg.loss_bound)
         out.append([Query(0, ETA_INIT, "bounded-loss", (Point(0, cfg.eta_init),), 1.0, clip, 1)])
     return out
 

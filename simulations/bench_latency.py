@@ -39,10 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", default=None, help="Markdown file to write the figures into")
     args = p.parse_args(argv)
 
-    from dpdro.common.config import Config
+    from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
     from dpdro.launch.deploy import LoopbackDeployment, override_string
-    from dpdro.launch.simulate import toml_value
 
     os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
     tmp = tempfile.mkdtemp(prefix="dpdro-latency-")

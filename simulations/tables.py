@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from ..common.algorithm_specs import ALGORITHM_SPECS
 from .tune import SPACES
 from .tuned import transferred_from, tuned_config_path
 
-BASELINES = ("dp-sgd", "dp-sgd-la")
-DRO_METHODS = ("dp-double-spider", "recursive-spider", "dp-sgda", "dp-sgd-dual", "dp-spiderboost")
+# the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
+BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
+DRO_METHODS = tuple(n for n, s in ALGORITHM_SPECS.items() if s.dro)
 GOAL = {"dataset": "mnist-st", "epsilon": 4.0, "worst": 0.60, "accuracy": 0.85}
 
 

@@ -34,16 +34,14 @@ import logging
 import math
 from pathlib import Path
 
-from ..common.config import Config
+from ..common.algorithm_specs import ALGORITHM_SPECS
+from ..common.config import Config, toml_lines
 from ..common.rng import derived_rng
 from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
 
 log = logging.getLogger(__name__)
 
-# Keys shared by every trial of a data set (the training budget is the same for every method). SPIDER-type
-# methods run in their useful regime (C_max = 0.15 with difference batches half the refresh batch: at q = 5 a
-# phase's differences add at most about the refresh's noise; server/diagnostics.py), and the dual variable
-# starts from the private mean loss.
+# Keys shared by every trial of a data set (the training budget is the same for every method).
 BASE = {"num-clients": 4, "threads": 1, "reproducible": False, "checkpoint-every": 0, "iterations": 500,
         "clip-x": 1.0, "clip-eta": 1.0, "noise-allocation": "variance"}
 PER_DATASET = {
@@ -52,38 +50,12 @@ PER_DATASET = {
     "cifar10-st": {"validation-fraction": 0.2},
     "celeba": {"iterations": 300, "batch-scale": 0.5},  # 8,000 training images: half the batch sizes
 }
-_LR = [2.0, 4.0, 6.0, 8.0, 12.0]
-# SPIDER-type methods: 12 always diverged in the first trials, 1 is added; q = 1 (a refresh every step, no
-# differences) is in their space so that the search can find out whether the differences pay off at all.
-_LR_SPIDER = [1.0, 2.0, 4.0, 6.0, 8.0]
-_Q = [1, 5]
-_BATCH = [1024, 2048]
-_TAU = [0.0, 1.0]
-_SPIDER = {"clip-diff-max": 0.15, "lr-eta": 0.1, "eta-init-source": "private-mean-loss"}
-SPACES: dict[str, dict[str, list]] = {
-    "dp-sgd": {"lr-x": _LR, "refresh-batch": _BATCH},
-    "dp-sgd-la": {"lr-x": _LR, "refresh-batch": _BATCH, "posthoc-tau": [0.0, 0.5]},
-    "dp-double-spider": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": [0.5, 1.0, 2.0],
-                         "dro-clip": ["product", "weight-after-clip"], "logit-adjust-tau": _TAU},
-    "recursive-spider": {"lr-x": [0.5, 1.0, 2.0, 4.0, 8.0], "refresh-batch": _BATCH, "q": _Q, "rho": [0.1, 0.5, 1.0],
-                         "logit-adjust-tau": _TAU},
-    "dp-sgda": {"lr-x": _LR, "refresh-batch": _BATCH, "lr-p": [0.05, 0.2, 1.0], "lambda": [0.1, 1.0],
-                "logit-adjust-tau": _TAU},
-    "dp-sgd-dual": {"lr-x": _LR, "refresh-batch": _BATCH, "lambda": [0.5, 1.0, 2.0], "logit-adjust-tau": _TAU},
-    "dp-spiderboost": {"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": [0.5, 1.0, 2.0],
-                       "logit-adjust-tau": _TAU},
-}
-# Keys every trial of a method shares (not searched).
-FIXED = {
-    "dp-double-spider": _SPIDER,
-    # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
-    # (whose logit-adjusted losses exceed 4) in play; the clips are in the units of the update (every trial of
-    # the first search in absolute units, B = 4, lost the minority classes).
-    "recursive-spider": {"clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5, "loss-bound": 10.0,
-                         "rs-clip-units": "relative"},
-    "dp-sgd-dual": {"lr-eta": 0.1, "eta-init-source": "private-mean-loss"},
-    "dp-spiderboost": _SPIDER,
-}
+# Per method: the searched keys and the keys every trial shares, declared with the algorithm
+# (common/algorithm_specs.py: AlgorithmSpec.space and .fixed).
+# Baselines first, then the DP-DRO methods (the order of the runs, the report and of ties between winners).
+_ORDER = sorted(ALGORITHM_SPECS.values(), key=lambda s: s.dro)
+SPACES: dict[str, dict[str, tuple]] = {s.name: dict(s.space) for s in _ORDER if s.space}
+FIXED: dict[str, dict] = {n: dict(s.fixed) for n, s in ALGORITHM_SPECS.items() if s.fixed}
 METHODS = tuple(SPACES)
 
 
@@ -282,17 +254,7 @@ def write_toml(path: Path, keys: dict, header: str = "") -> None:
     from ..server.rundir import atomic_write_bytes
 
     lines = [header.rstrip("\n")] if header else []
-    for k, v in keys.items():
-        if isinstance(v, bool):
-            text = "true" if v else "false"
-        elif isinstance(v, str):
-            text = json.dumps(v)
-        elif isinstance(v, float) and math.isinf(v):
-            text = "inf"
-        else:
-            text = repr(v)
-        lines.append(f"{k} = {text}")
-    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+    atomic_write_bytes(path, ("\n".join([*lines, toml_lines(keys)]) + "\n").encode())
 
 
 def tuning_report(entries: list[tuple[str, float]], methods: list[str], trials: int, root: Path, docs: Path,

@@ -146,10 +146,9 @@ def test_fleet_gateway_forwards_only_fleet_calls():
 def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     """2 iterations with q=2: one refresh and one difference release of both eta and x (4 message rounds),
     so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment."""
-    from dpdro.common.config import Config
+    from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
     from dpdro.launch.deploy import CONNECTION, LoopbackDeployment, alive, override_string
-    from dpdro.launch.simulate import toml_value
 
     out = tmp_path / "run"
     cfg = Config.from_mapping({"num-clients": 2, "iterations": 2, "q": 2, "max-train-records": 2000,
@@ -199,10 +198,9 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
 def test_loopback_deployment_runs_distributed_noise_through_secagg(tmp_path):
     """noise-mode=distributed on the TLS + authenticated deployment: each SuperNode adds its noise share and
     the SuperLink's ServerApp only receives SecAgg+ sums (quantisation bound reported per release)."""
-    from dpdro.common.config import Config
+    from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
     from dpdro.launch.deploy import LoopbackDeployment, override_string
-    from dpdro.launch.simulate import toml_value
 
     out = tmp_path / "run"
     data_root = str(resolve_data_root("auto").resolve())

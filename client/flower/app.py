@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
-from ...common.config import Config
+from ...common.config import Config, keys_with_role
 from ...common.flower.wire import pack_replies, unpack_queries
 
 app = ClientApp()
@@ -46,10 +46,8 @@ class PartitionError(ValueError):
 
 
 NODE_KEYS = ("data-root", "cache-dir")  # node-config keys that override the run config on this node
-# Keys that never change which records a node holds: left out of the shard-cache key.
-_NOT_DATA = ("out-dir", "resume", "iterations", "epsilon", "delta", "accountant", "eval-every", "checkpoint-every",
-             "round-timeout", "on-client-failure", "max-retries", "min-clients", "inject-fault", "threads",
-             "max-test-records", "device", "chunk-size", "dtype", "reproducible", "output-iterate")
+# The keys that can change which records a node holds (role 'data' in common/config.py): the shard-cache key.
+DATA_KEYS = keys_with_role("data")
 
 
 def _config(context: Context) -> Config:
@@ -60,14 +58,13 @@ def _config(context: Context) -> Config:
 
 def shard_cache_path(cfg: Config, pid: int):
     """Local file of partition ``pid``'s shard: ``<cache-dir>/shards/<dataset>-<hash>-p<pid>-of-<N>.npz``,
-    the hash over every configuration key that can change the data (all keys but ``_NOT_DATA``)."""
+    the hash over every configuration key that can change the data (``DATA_KEYS``)."""
     import hashlib
     import json
 
     from ...common.data import resolve_cache_dir
 
-    values = {k: v for k, v in sorted(cfg.to_dict().items())
-              if k not in _NOT_DATA and not k.startswith(("lr-", "clip-"))}
+    values = {k: v for k, v in sorted(cfg.to_dict().items()) if k in DATA_KEYS}
     digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return resolve_cache_dir(cfg.cache_dir) / "shards" / f"{cfg.dataset}-{digest}-p{pid}-of-{cfg.num_clients}.npz"
 

@@ -54,7 +54,8 @@ class Algorithm(ABC):
     """Base class. Args: cfg (Config), n (number of training records, public), dim (model parameters),
     num_classes (K of the classification task)."""
 
-    name = ""
+    name = ""  # set by ``register_algorithm``, with ``spec`` (its common.algorithm_specs.AlgorithmSpec)
+    spec = None
 
     def __init__(self, cfg, n: int, dim: int, num_classes: int = 10) -> None:
         self.cfg = cfg

@@ -44,6 +44,7 @@ from ...common.rng import site_rng
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
+from .registry import register_algorithm
 
 
 @dataclasses.dataclass
@@ -64,11 +65,11 @@ class DoubleSpiderState(State):
     eta_out: float = 0.0
 
 
+@register_algorithm("dp-double-spider")
 class DoubleSpider(Algorithm):
-    """DP Double-SPIDER. Config keys: q, refresh-batch (N1 = N3), diff-batch (N2 = N4), lr-x, lr-eta, clip-x,
-    clip-eta, clip-diff, clip-diff-max, eta-noise-ratio, output-iterate, psi, lambda, eta-scale, eta-init."""
+    """DP Double-SPIDER: refresh-batch is N1 = N3, diff-batch N2 = N4 (config keys: its AlgorithmSpec in
+    common/algorithm_specs.py)."""
 
-    name = "dp-double-spider"
 
     def mechanisms(self) -> list[Mechanism]:
         c = self.cfg
@@ -119,31 +120,28 @@ class DoubleSpider(Algorithm):
         c = self.cfg
         if not self.weight_after_clip:
             return Query(t, mechanism, "dual-x", points, rate, clip, self.dim)
-        grad_clip = c.clip_x if c.private else math.inf
+        grad_clip = c.clip(c.clip_x)
         if mechanism == "x-refresh" and c.private:
             clip = c.clip_x * self.weight_bound(points[0].scalar)
         return Query(t, mechanism, "dual-x-wac", points, rate, clip, self.dim, extra=(grad_clip,))
 
     def _diff_clip(self, dx: float, deta: float) -> float:
-        if not self.cfg.private:
-            return math.inf
-        return min(self.cfg.clip_diff * math.hypot(dx, deta), self.cfg.clip_diff_max)
+        return self.cfg.clip(min(self.cfg.clip_diff * math.hypot(dx, deta), self.cfg.clip_diff_max))
 
     def queries(self, state: DoubleSpiderState) -> list[Query]:
         c, t = self.cfg, state.t
         refresh = t % c.q == 0
-        inf = math.inf
         if state.stage == 0:
             if refresh:
                 return [Query(t, "eta-refresh", "dual-eta", (Point(t, state.eta),), self.rate(c.refresh_batch),
-                              c.clip_eta if c.private else inf, 1)]
+                              c.clip(c.clip_eta), 1)]
             dx = float(np.linalg.norm(state.x - state.x_prev))
             clip = self._diff_clip(dx, state.eta - state.eta_prev)
             return [Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
                           self.rate(c.diff_batch), clip, 1)]
         if refresh:
             return [self._x_query(t, "x-refresh", (Point(t, state.eta_next),), self.rate(c.refresh_batch),
-                                  c.clip_x if c.private else inf)]
+                                  c.clip(c.clip_x))]
         dx = float(np.linalg.norm(state.x - state.x_prev))
         clip = self._diff_clip(dx, state.eta_next - state.eta)
         return [self._x_query(t, "x-diff", (Point(t, state.eta_next), Point(t - 1, state.eta)),

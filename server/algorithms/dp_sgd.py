@@ -16,13 +16,13 @@ One mechanism 'grad' per iteration.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from ...common.messages import Point, Query
 from ..ledger import Mechanism
 from .base import Algorithm, State
+from .registry import register_algorithm
 
 
 @dataclasses.dataclass
@@ -34,10 +34,10 @@ class SgdState(State):
     eta: float = 0.0
 
 
+@register_algorithm("dp-sgd")
 class DpSgd(Algorithm):
-    """DP-SGD on ERM. Keys: refresh-batch, clip-x, lr-x."""
+    """DP-SGD on ERM (config keys: its AlgorithmSpec in common/algorithm_specs.py)."""
 
-    name = "dp-sgd"
     quantity = "ce-grad"
 
     def mechanisms(self) -> list[Mechanism]:
@@ -59,7 +59,7 @@ class DpSgd(Algorithm):
     def queries(self, state: SgdState) -> list[Query]:
         c = self.cfg
         return [Query(state.t, "grad", self.quantity, (Point(state.t, state.eta),), self.rate(c.refresh_batch),
-                      c.clip_x if c.private else math.inf, self._dim())]
+                      c.clip(c.clip_x), self._dim())]
 
     def apply(self, state: SgdState, released: dict[str, np.ndarray]) -> SgdState:
         g = released["grad"]
@@ -77,18 +77,17 @@ class DpSgd(Algorithm):
         return {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
 
 
+@register_algorithm("dp-sgd-la")
 class DpSgdLA(DpSgd):
-    """DP-SGD on the logit-adjusted loss. Keys: refresh-batch, clip-x, lr-x, logit-adjust-tau ('auto' = 1),
-    class-prior, prior-noise-multiplier (the loss itself is applied by the engine through the query's offset)."""
-
-    name = "dp-sgd-la"
+    """DP-SGD on the logit-adjusted loss (the loss itself is applied by the engine through the query's offset;
+    logit-adjust-tau 'auto' = 1)."""
 
 
+
+@register_algorithm("dp-sgd-dual")
 class DpSgdDual(DpSgd):
-    """DP-SGD on z = (x, eta) of the dual DRO objective. Keys: refresh-batch, clip-x (joint clip), lr-x,
-    lr-eta, psi, lambda, eta-scale, eta-init."""
+    """DP-SGD on z = (x, eta) of the dual DRO objective (clip-x is the joint clip)."""
 
-    name = "dp-sgd-dual"
     quantity = "dual-joint"
 
     def noise_profiles(self):

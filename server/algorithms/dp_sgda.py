@@ -15,7 +15,6 @@ lr-p, lambda.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm
 from .dp_sgd import SgdState
+from .registry import register_algorithm
 
 PRIOR_DECAY = 0.9  # weight of the past in the running class-frequency estimate
 
@@ -36,8 +36,8 @@ class SgdaState(SgdState):
     pi: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
+@register_algorithm("dp-sgda")
 class DpSgda(Algorithm):
-    name = "dp-sgda"
 
     def mechanisms(self) -> list[Mechanism]:
         r = self.rate(self.cfg.refresh_batch)
@@ -61,11 +61,10 @@ class DpSgda(Algorithm):
     def queries(self, state: SgdaState) -> list[Query]:
         c, t, k = self.cfg, state.t, self.num_classes
         r = self.rate(c.refresh_batch)
-        inf = math.inf
         weights = tuple(float(w) for w in state.p / state.pi)
-        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip_stats if c.private else inf,
+        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(c.clip_stats),
                       2 * k, extra=(0.0,) * k),
-                Query(t, "grad", "class-weighted-grad", (Point(t, 0.0),), r, c.clip_x if c.private else inf, self.dim,
+                Query(t, "grad", "class-weighted-grad", (Point(t, 0.0),), r, c.clip(c.clip_x), self.dim,
                       extra=weights)]
 
     def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:

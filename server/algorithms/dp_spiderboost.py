@@ -20,6 +20,7 @@ from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm
 from .dp_sgd import SgdState
+from .registry import register_algorithm
 
 
 @dataclasses.dataclass
@@ -30,10 +31,10 @@ class SpiderBoostState(SgdState):
     g: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
+@register_algorithm("dp-spiderboost")
 class DpSpiderBoost(Algorithm):
-    """Keys: q, refresh-batch, diff-batch, clip-x, clip-diff, clip-diff-max, lr-x, lr-eta, psi, lambda."""
+    """DP-SpiderBoost on z = (x, eta) (config keys: its AlgorithmSpec in common/algorithm_specs.py)."""
 
-    name = "dp-spiderboost"
 
     def mechanisms(self) -> list[Mechanism]:
         c = self.cfg
@@ -65,9 +66,9 @@ class DpSpiderBoost(Algorithm):
         now = Point(t, state.eta)
         if t % c.q == 0:
             return [Query(t, "refresh", "dual-joint", (now,), self.rate(c.refresh_batch),
-                          c.clip_x if c.private else math.inf, self.dim + 1)]
+                          c.clip(c.clip_x), self.dim + 1)]
         dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.eta - state.eta_prev)
-        clip = min(c.clip_diff * dist, c.clip_diff_max) if c.private else math.inf
+        clip = c.clip(min(c.clip_diff * dist, c.clip_diff_max))
         return [Query(t, "diff", "dual-joint", (now, Point(t - 1, state.eta_prev)), self.rate(c.diff_batch), clip,
                       self.dim + 1)]
 

@@ -39,6 +39,7 @@ from ...common.messages import Point, Query
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
+from .registry import register_algorithm
 
 
 @dataclasses.dataclass
@@ -56,12 +57,11 @@ class RecursiveSpiderState(State):
     s_raw: float = 1.0
 
 
+@register_algorithm("recursive-spider")
 class RecursiveSpider(Algorithm):
-    """DP Recursive-Spider. Keys: q, refresh-batch, diff-batch, s-batch, clip-x (joint v/u refresh clip),
-    clip-diff, clip-diff-max, clip-s, s-noise-ratio, beta, s-min, rho, lambda-init, lambda0, lambda-max,
-    loss-bound (B), u-scale (c_u), lr-x, lr-lambda."""
+    """DP Recursive-Spider: clip-x is the joint v/u refresh clip, loss-bound B, u-scale c_u (config keys: its
+    AlgorithmSpec in common/algorithm_specs.py)."""
 
-    name = "recursive-spider"
 
     def mechanisms(self) -> list[Mechanism]:
         c = self.cfg
@@ -98,18 +98,17 @@ class RecursiveSpider(Algorithm):
 
     def queries(self, state: RecursiveSpiderState) -> list[Query]:
         c, t = self.cfg, state.t
-        inf = math.inf
         now, before = Point(t, state.lam), Point(t - 1, state.lam_prev)
         k = self.vu_scale(state)
         extra = (k,) if k != 1.0 else ()
         if t % c.q == 0:
-            vu = Query(t, "vu-refresh", "kl-vu", (now,), self.rate(c.refresh_batch), c.clip_x if c.private else inf,
+            vu = Query(t, "vu-refresh", "kl-vu", (now,), self.rate(c.refresh_batch), c.clip(c.clip_x),
                        self.dim + 1, extra=extra)
         else:
             dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.lam - state.lam_prev)
-            clip = min(c.clip_diff * dist, c.clip_diff_max) if c.private else inf
+            clip = c.clip(min(c.clip_diff * dist, c.clip_diff_max))
             vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1, extra=extra)
-        clip_s = c.clip_s if c.private else inf
+        clip_s = c.clip(c.clip_s)
         if t == 0:
             s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1)
         else:

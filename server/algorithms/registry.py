@@ -1,0 +1,36 @@
+"""The algorithm registry: name -> state-machine class, filled by the ``register_algorithm`` decorator.
+
+The name must be declared in ``common.algorithm_specs.ALGORITHM_SPECS`` (what the config, the client and the
+tuner know of an algorithm); a plug-in passes its ``AlgorithmSpec`` instead of the name, which declares it there
+too, so that a new algorithm is one file (docs/DEVELOPING.md).
+"""
+
+from __future__ import annotations
+
+from ...common.algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec, declare_algorithm
+from ...common.registry import Registry
+from .base import Algorithm
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+
+
+def register_algorithm(spec: str | AlgorithmSpec):
+    """Class decorator: register an ``Algorithm`` subclass under a declared name (or declare ``spec`` first).
+
+    Sets the class's ``name`` and ``spec``. Raises ValueError for an undeclared or already registered name.
+    """
+    if isinstance(spec, AlgorithmSpec):
+        declare_algorithm(spec)
+        spec = spec.name
+    declared = ALGORITHM_SPECS.get_entry(spec)
+
+    def add(cls: type[Algorithm]) -> type[Algorithm]:
+        cls.name, cls.spec = declared.name, declared
+        return ALGORITHMS.register(declared.name, cls)
+
+    return add
+
+
+def make_algorithm(cfg, n: int, dim: int, num_classes: int = 10) -> Algorithm:
+    """The algorithm named by config key ``algorithm``. Raises ValueError for an unknown name."""
+    return ALGORITHMS.get_entry(cfg.algorithm)(cfg, n, dim, num_classes)

@@ -27,6 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/test_architecture.py  # import layers (import-linter contracts in pyproject.toml)
 
 clean:
 	rm -rf runs .flwr .pytest_cache

@@ -81,7 +81,7 @@ def test_a_name_declared_twice_or_not_at_all_is_refused():
 
 
 def test_every_key_has_one_role_and_the_derived_key_lists():
-    from dpdro.client.app import DATA_KEYS
+    from dpdro.client.flower.app import DATA_KEYS
     from dpdro.server.engine import RUNTIME_KEYS
 
     assert {f.role for f in FIELD_BY_KEY.values()} == set(ROLES)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
+from .registry import AUTO  # re-exported: config.AUTO is the public name
 
-AUTO = "auto"
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
 # 'runtime' how a run executes, not what it computes (a resumed run may change it); 'privacy' the target, the
 # accountant and where noise goes; 'algorithm' everything else that changes what a run computes.

@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import AUTO
-from .registry import Registry
+from .registry import AUTO, Registry
 
 
 class DataError(FileNotFoundError):

@@ -20,6 +20,10 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+# The value of a key whose setting is derived (from a registry entry, the environment, ...): "model = auto" takes
+# the data set's default model. Here, in the leaf module, so that config and data both import it without a cycle.
+AUTO = "auto"
+
 
 class Registry(dict[str, T], Generic[T]):
     """Name -> entry for one plug-in kind (``kind``, e.g. "data set", names it in errors).

@@ -25,3 +25,41 @@ def test_pyproject_run_config_matches_schema():
     mod = _sync_module()
     text = (ROOT / "pyproject.toml").read_text()
     assert mod.pyproject_text(text) == text, "run simulations/sync_config_docs.py"
+
+
+DESIGN_DOCS = ("ALGORITHMS", "ARCHITECTURE", "FLOWER")
+SOURCE_FOLDERS = ("dpdro", "common", "server", "client", "launch", "simulations", "tests")
+
+
+def design_references() -> list[tuple[str, str, str]]:
+    """(where, document, section or pitfall) of every "ALGORITHMS.md 5.4"-style citation in the code; the
+    section is "" when none is named, "pitfall N" for FLOWER.md's pitfalls."""
+    import re
+
+    pattern = re.compile(rf"\b({'|'.join(DESIGN_DOCS)})\.md(?:,? (?:sections? )?(\d+(?:\.\d+)?\b|pitfall \d+))?")
+    refs = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                refs += [(f"{path.relative_to(ROOT)}:{i}", m[1], m[2] or "") for m in pattern.finditer(line)]
+    return refs
+
+
+def test_design_references_in_the_code_resolve_to_docs():
+    """Every ARCHITECTURE.md / FLOWER.md / ALGORITHMS.md citation names a file in docs/ and a section (or
+    pitfall) that it has."""
+    import re
+
+    refs = design_references()
+    assert {doc for _, doc, _ in refs} == set(DESIGN_DOCS), "the pattern no longer finds the citations"
+    assert sum(1 for _, doc, _ in refs if doc in ("ARCHITECTURE", "FLOWER")) >= 16
+    for where, doc, section in refs:
+        path = ROOT / "docs" / f"{doc}.md"
+        assert path.is_file(), f"{where}: {doc}.md is not in docs/"
+        text = path.read_text()
+        if section.startswith("pitfall"):
+            pitfalls = text.split("## 7. Pitfalls", 1)[1]
+            assert re.search(rf"^{section.split()[1]}\. ", pitfalls, re.M), f"{where}: {doc}.md has no {section}"
+        elif section:
+            heading = rf"^#+ {re.escape(section)}[. ]"
+            assert re.search(heading, text, re.M), f"{where}: {doc}.md has no section {section}"

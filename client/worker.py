@@ -115,7 +115,8 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
                   chunk_size: int = 256) -> tuple[torch.Tensor, int]:
     """Sum over the records ``rows`` of clip_{clip}(sum_j coefs[j] fn(flats[j], scalars[j])), shape (dim,),
     float64 on x's device, and the number of records whose vector was scaled down by the clip: the work of
-    one client on one query.
+    one client on one query. Each record's vector is clipped exactly to ``clip`` in its dtype, rounding
+    included (``per_sample.clip_scales``), so the server's reply check never rejects an honest sum.
 
     Records are processed ``chunk_size`` at a time (vectorised within a chunk), so peak memory grows with
     chunk_size * dim, not with the number of records. ``flats`` are (d,) parameter points, ``rows`` (m,)

@@ -89,6 +89,11 @@ class Query:
         return tuple(p.version for p in self.points)
 
 
+# The declared dtype of a reply's total on every transport (the server rejects any other, float16 included:
+# a narrower float would lose the precision the server's norm check and the release rely on).
+REPLY_DTYPE = np.dtype(np.float64)
+
+
 @dataclass(frozen=True)
 class Reply:
     """A client's answer to a query: ``total`` (D,) float64 sum of clipped vectors over ``count`` sampled

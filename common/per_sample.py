@@ -67,16 +67,69 @@ class FlatModel:
         return losses, grads
 
 
-def clip_rows(v: torch.Tensor, bound: float) -> torch.Tensor:
-    """Scale each row of v (B, D) to L2 norm at most ``bound`` (>= 0; inf means no clipping).
+# Entries per partial sum of squares in ``norm_upper_bound``. Any summation order of b non-negative floats
+# errs by at most (b - 1) u relative (u = eps / 2; Higham 2002, sec. 4.2), whatever torch's kernel does, so
+# short float sums plus a float64 sum over blocks bound the exact norm tightly at ~3x the cost of one norm.
+NORM_BLOCK = 64
 
-    Rows with norm <= bound are unchanged; a zero bound gives zero rows. Returns a new (B, D) tensor.
+
+def clip_margin(dtype: torch.dtype) -> float:
+    """Relative safety margin of the clip factor in ``dtype``: (NORM_BLOCK + 8) eps, ~8.6e-6 in float32 and
+    ~1.6e-14 in float64. It covers the rounding of the blocked norm (~NORM_BLOCK eps / 2), of the scale
+    factor and of the scaled entries (u each), so a clipped row's exact norm never exceeds the bound."""
+    return (NORM_BLOCK + 8) * torch.finfo(dtype).eps
+
+
+def norm_upper_bound(v: torch.Tensor) -> torch.Tensor:
+    """Upper bound (B,) float64 on the exact L2 norm of each row of v (B, D), within a factor
+    1 + 2 ``clip_margin(v.dtype)`` of it: float sums of squares over blocks of NORM_BLOCK entries in v's
+    dtype, summed in float64, times 1 + ``clip_margin``. Rows with a NaN give NaN, rows whose squares
+    overflow give inf."""
+    rows, dim = v.shape
+    whole = dim - dim % NORM_BLOCK
+    squares = torch.zeros(rows, dtype=torch.float64, device=v.device)
+    if whole:
+        blocks = torch.linalg.vector_norm(v[:, :whole].reshape(rows, whole // NORM_BLOCK, NORM_BLOCK), dim=2)
+        squares += (blocks.to(torch.float64) ** 2).sum(1)
+    if whole < dim:
+        squares += torch.linalg.vector_norm(v[:, whole:], dim=1).to(torch.float64) ** 2
+    return squares.sqrt() * (1.0 + clip_margin(v.dtype))
+
+
+def clip_scales(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row clip factors (B,) in v's dtype, rows (B,) bool that were scaled down) for v (B, D) and a
+    finite ``bound`` >= 0.
+
+    The factor is min(1, bound / N) with N = ``norm_upper_bound`` (the norm with a safety margin), so
+    factor * row has exact L2 norm <= bound in v's dtype, rounding included: clipping never overshoots.
+    A row with a NaN or Inf entry gets factor 0 (and counts as scaled down): every record's contribution is
+    bounded whatever its values, so an honest client's sum is always finite and within its bound (no reply is
+    rejected because of the records it happened to sample). Rows already shorter than bound / (1 + margin)
+    are unchanged; a row within the margin of the bound shrinks by at most ~1e-5 (float32)."""
+    norms = norm_upper_bound(v)
+    scale = torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
+    scale = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
+    return scale.to(v.dtype), scale < 1.0
+
+
+def _finite_rows(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """v with its rows of factor 0 zeroed (0 * NaN would be NaN); v itself if every factor is positive (then
+    every row is finite: a NaN or Inf entry makes the row's factor 0)."""
+    if bool((scale > 0).all()):
+        return v
+    return torch.where((scale > 0).unsqueeze(1), v, torch.zeros((), dtype=v.dtype, device=v.device))
+
+
+def clip_rows(v: torch.Tensor, bound: float) -> torch.Tensor:
+    """Scale each row of v (B, D) to exact L2 norm at most ``bound`` (>= 0; inf means no clipping) in v's
+    dtype (``clip_scales``: a safety margin absorbs rounding; rows with NaN or Inf become zero).
+
+    Rows shorter than the bound are unchanged; a zero bound gives zero rows. Returns a new (B, D) tensor.
     """
     if math.isinf(bound):
         return v
-    norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-    scale = torch.clamp(bound / torch.clamp(norms, min=1e-30), max=1.0)
-    return v * scale
+    scale, _ = clip_scales(v, bound)
+    return _finite_rows(v, scale) * scale.unsqueeze(1)
 
 
 def clipped_sum(v: torch.Tensor, bound: float) -> torch.Tensor:
@@ -86,9 +139,11 @@ def clipped_sum(v: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, int]:
-    """(``clipped_sum(v, bound)``, number of rows whose norm exceeded ``bound`` and were scaled down)."""
+    """(``clipped_sum(v, bound)``, number of rows that were scaled down by the clip), in v's dtype.
+
+    Each clipped row has exact norm <= bound; the sum of B rows in v's dtype has norm <= B bound (1 + B u),
+    u = eps / 2 of the dtype (rounding of the sum; ``release.reply_tolerance`` allows exactly this)."""
     if math.isinf(bound):
         return v.sum(0), 0
-    norms = torch.linalg.vector_norm(v, dim=1)
-    scale = torch.clamp(bound / torch.clamp(norms, min=1e-30), max=1.0)
-    return scale @ v, int((norms > bound).sum())
+    scale, scaled = clip_scales(v, bound)
+    return scale @ _finite_rows(v, scale), int(scaled.sum())

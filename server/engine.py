@@ -84,13 +84,17 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     else retries like 'retry'. Nothing is released or charged for a discarded attempt; ``on_discard(query,
     replies)`` is called with the valid replies of every discarded attempt (in distributed and local noise
     modes the server has seen those noised values, which counts against the server).
+
+    A retry never depends on record values: an honest client's reply always passes ``check_reply`` (clipping
+    never overshoots its bound and the check allows the rounding of the working dtype), so only transport
+    failures, timeouts, a client's own error or a faulty client discard an attempt.
     """
     for attempt in range(cfg.max_retries + 1):
         tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
         result = transport.run(tries, versions)
         failures = dict(result.failures)
         for q in tries:
-            _, rejected = split_valid(q, result.replies[q.qid])
+            _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
             failures.update(rejected)
         if not failures:
             return result.replies

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ..common.messages import Query, Reply
+from ..common.messages import REPLY_DTYPE, Query, Reply
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +32,40 @@ class ReplyError(ValueError):
     """A client's reply is malformed and was not aggregated; the message names the partition and why."""
 
 
-def check_reply(query: Query, reply: Reply) -> None:
-    """Raise ReplyError unless ``reply`` answers ``query`` with a finite (D,) sum whose norm is possible
-    for the reported count of clipped records."""
+def reply_tolerance(dtype: str, count: int, dim: int) -> float:
+    """Relative slack of an honest reply's norm over sensitivity x count, for a client computing in ``dtype``
+    (config key dtype: 'float32' or 'float64') that summed ``count`` clipped vectors of length ``dim``.
+
+    Each clipped vector has exact norm <= the sensitivity (``per_sample.clip_scales`` clips with a safety
+    margin), so only the summation can overshoot: a sum of count terms in a dtype of unit roundoff u errs by at
+    most gamma_count = count u / (1 - count u) times the sum of the terms' norms (Higham 2002, sec. 3.1;
+    any summation order); the float64 sum over chunks, the count coordinate and the server's own norm add
+    gamma_{count + dim + 8} in float64. Example: count 1 in float32 gives 6e-8, count 1000 gives 6e-5."""
+    u = float(np.finfo(np.dtype(dtype)).eps) / 2
+    u64 = float(np.finfo(np.float64).eps) / 2
+
+    def gamma(terms: int, unit: float) -> float:
+        return terms * unit / (1.0 - terms * unit)
+
+    return gamma(count, u) + gamma(count + dim + 8, u64)
+
+
+def check_reply(query: Query, reply: Reply, dtype: str) -> None:
+    """Raise ReplyError unless ``reply`` answers ``query`` with a finite (D,) float64 (``REPLY_DTYPE``) sum
+    whose norm is possible for the reported count of records, ``dtype`` being the clients' compute dtype
+    (config key dtype; it sets the rounding slack, ``reply_tolerance``).
+
+    An honest client's reply always passes: its clipped vectors never exceed the clip (``clip_scales``) and
+    the slack covers the worst-case rounding of their sum. So a rejection (and the retry it may cause) never
+    depends on which records were sampled, only on a faulty or dishonest client."""
     where = f"reply of partition {reply.partition} to {query.qid}"
     if reply.qid != query.qid:
         raise ReplyError(f"{where}: answers {reply.qid!r}")
     total = np.asarray(reply.total)
     if total.shape != (query.out_dim,):
         raise ReplyError(f"{where}: shape {total.shape}, expected ({query.out_dim},)")
-    if not np.issubdtype(total.dtype, np.floating):
-        raise ReplyError(f"{where}: dtype {total.dtype}, expected a float")
+    if total.dtype != REPLY_DTYPE:
+        raise ReplyError(f"{where}: dtype {total.dtype}, expected {REPLY_DTYPE} (the declared dtype of a reply)")
     if not np.all(np.isfinite(total)):
         raise ReplyError(f"{where}: contains NaN or Inf")
     if query.noise_std > 0:  # noised by the client, which keeps its count: nothing more to check
@@ -50,18 +73,19 @@ def check_reply(query: Query, reply: Reply) -> None:
     if reply.count < 0:
         raise ReplyError(f"{where}: negative count {reply.count}")
     if math.isfinite(query.clip):
-        bound = query.sensitivity * reply.count * (1 + 1e-6) + 1e-9
+        bound = query.sensitivity * reply.count * (1.0 + reply_tolerance(dtype, reply.count, query.out_dim))
         norm = float(np.linalg.norm(total))
         if norm > bound:
-            raise ReplyError(f"{where}: norm {norm:.6g} exceeds clip {query.clip:.6g} x count {reply.count}")
+            raise ReplyError(f"{where}: norm {norm:.9g} exceeds sensitivity {query.sensitivity:.9g} x count "
+                             f"{reply.count} (clip {query.clip:.6g}, {dtype} rounding slack included)")
 
 
-def split_valid(query: Query, replies: list[Reply]) -> tuple[list[Reply], dict[int, str]]:
-    """(valid replies, partition -> reason for each rejected one)."""
+def split_valid(query: Query, replies: list[Reply], dtype: str) -> tuple[list[Reply], dict[int, str]]:
+    """(valid replies, partition -> reason for each rejected one); ``dtype`` as in ``check_reply``."""
     valid, rejected = [], {}
     for r in replies:
         try:
-            check_reply(query, r)
+            check_reply(query, r, dtype)
             valid.append(r)
         except ReplyError as e:
             rejected[r.partition] = str(e)

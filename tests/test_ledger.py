@@ -302,9 +302,9 @@ def make_query(dim=3, clip=1.0, rate=0.1):
 
 def test_check_reply_accepts_valid():
     q = make_query()
-    check_reply(q, Reply("7:x-refresh", 0, np.array([0.6, 0.8, 1.0]), 2))  # norm 1.41 <= 1 x 2
-    check_reply(q, Reply("7:x-refresh", 1, np.zeros(3), 0))  # empty sample
-    check_reply(make_query(clip=math.inf), Reply("7:x-refresh", 0, np.array([1e6, 0.0, 0.0]), 1))
+    check_reply(q, Reply("7:x-refresh", 0, np.array([0.6, 0.8, 1.0]), 2), "float32")  # norm 1.41 <= 1 x 2
+    check_reply(q, Reply("7:x-refresh", 1, np.zeros(3), 0), "float32")  # empty sample
+    check_reply(make_query(clip=math.inf), Reply("7:x-refresh", 0, np.array([1e6, 0.0, 0.0]), 1), "float64")
 
 
 @pytest.mark.parametrize("total,count,qid,why", [
@@ -318,10 +318,12 @@ def test_check_reply_accepts_valid():
     (np.array([0.1, 0.0, 0.0]), 0, "7:x-refresh", "exceeds"),
     (np.zeros(3), -1, "7:x-refresh", "negative"),
     (np.zeros(3, dtype=np.int64), 1, "7:x-refresh", "dtype"),
+    (np.zeros(3, dtype=np.float16), 1, "7:x-refresh", "dtype float16, expected float64"),
+    (np.zeros(3, dtype=np.float32), 1, "7:x-refresh", "dtype float32, expected float64"),
 ])
 def test_check_reply_rejects(total, count, qid, why):
     with pytest.raises(ReplyError, match=why):
-        check_reply(make_query(), Reply(qid, 3, total, count))
+        check_reply(make_query(), Reply(qid, 3, total, count), "float32")
 
 
 def test_aggregate_sums_in_partition_order():
@@ -329,7 +331,7 @@ def test_aggregate_sums_in_partition_order():
     replies = [Reply("7:x-refresh", p, np.array([0.1 * p, 1.0]), 1) for p in (2, 0, 1)]
     np.testing.assert_allclose(aggregate(q, replies), [0.3, 3.0], rtol=1e-15)
     bad = Reply("7:x-refresh", 3, np.array([np.nan, 0.0]), 1)
-    valid, rejected = split_valid(q, replies + [bad])
+    valid, rejected = split_valid(q, replies + [bad], "float64")
     assert sorted(r.partition for r in valid) == [0, 1, 2]
     assert list(rejected) == [3] and "NaN" in rejected[3]
 

@@ -79,6 +79,17 @@ def test_malformed_reply_is_rejected_and_never_aggregated(small_config, tmp_path
         run_local(small_config(out_dir=str(tmp_path / "nan2"), inject_fault="2:1:nan", on_client_failure="fail"))
 
 
+def test_float32_replies_of_one_record_from_many_clients_are_never_rejected(small_config):
+    """Issue 21, item 2: with 20 clients and ~1.6 records per client and release, many replies sum one float32
+    record clipped to the bound; its rounding (norm 1.0000012 x clip) used to fail the server's check, and
+    whether it did depended on the sampled record. With 'fail', any rejection would end the run."""
+    cfg = small_config(dtype="float32", max_train_records=500, max_test_records=200, num_clients=20,
+                       refresh_batch=32, diff_batch=16, iterations=12, q=3, eval_every=12, on_client_failure="fail")
+    result = run_local(cfg)
+    assert result.summary["releases"] == {"eta-refresh": 4, "eta-diff": 8, "x-refresh": 4, "x-diff": 8}
+    assert len(events_of(cfg)) == 24 and np.all(np.isfinite(result.params))
+
+
 def test_empty_poisson_batches_still_release_noise_and_are_charged(small_config):
     """Case 4: at a tiny rate most clients' samples are empty; nothing crashes and every release is charged."""
     cfg = small_config(refresh_batch=1, diff_batch=1, epsilon=2.0)

@@ -1,0 +1,130 @@
+"""Clipping is exact to the bound in the working dtype, and the server's reply check accepts every honest
+reply (issue 21, item 2): a float32 record clipped to norm 1.0000012 > 1 used to be rejected as malformed, so
+whether a reply passed depended on which records were sampled."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpdro.common.messages import Point, Query, Reply
+from dpdro.common.per_sample import clip_margin, clip_rows, clip_scales, clipped_sum_and_count, norm_upper_bound
+from dpdro.server.release import ReplyError, check_reply, reply_tolerance
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def exact_norms(v: torch.Tensor) -> np.ndarray:
+    """Row norms of v computed in float64 (exact to ~1e-15 relative for float32 data)."""
+    return np.linalg.norm(v.detach().cpu().numpy().astype(np.float64), axis=1)
+
+
+@st.composite
+def batches(draw):
+    """(dtype name, rows (B, D), bound): heavy-tailed entries over many magnitudes, bounds near the norms."""
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
+    rows, dim = draw(st.integers(1, 6)), draw(st.integers(1, 5000))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(rows, dim, generator=gen, dtype=torch.float64)
+    v = v * torch.exp(draw(st.floats(0.0, 3.0)) * torch.randn(rows, dim, generator=gen, dtype=torch.float64))
+    v = (v * 10.0 ** draw(st.floats(-6, 6))).to(DTYPES[dtype])
+    # bounds at, just below and far below a row's norm: the rounding cases that used to overshoot
+    norm = float(exact_norms(v)[0])
+    bound = draw(st.sampled_from([norm, norm * (1 - 1e-7), norm * 0.999, norm * 1e-3]))
+    return dtype, v, max(bound, 1e-30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches())
+def test_clipped_rows_never_exceed_the_bound(case):
+    """Every clipped row's exact norm is <= the bound (no rounding overshoot), in float32 and float64."""
+    dtype, v, bound = case
+    out = clip_rows(v, bound)
+    assert out.dtype == v.dtype
+    assert np.all(exact_norms(out) <= bound), (exact_norms(out) / bound - 1, dtype)
+    # rows that had to be clipped still land on the bound (up to the safety margin), with their direction
+    big = exact_norms(v) > bound * (1 + 4 * clip_margin(v.dtype))
+    assert np.all(exact_norms(out)[big] >= bound * (1 - 4 * clip_margin(v.dtype)) - 1e-300)
+    # one record's sum is exactly within the bound too (the case the server used to reject)
+    one, clipped = clipped_sum_and_count(v[:1], bound)
+    assert float(np.linalg.norm(one.double().numpy())) <= bound
+    if big[0]:
+        assert clipped == 1
+    if exact_norms(v)[0] < bound * (1 - 4 * clip_margin(v.dtype)):
+        assert clipped == 0 and torch.equal(out[0], v[0])  # rows inside the bound are left alone
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.sampled_from([0.0, 0.1, 1.0]))
+def test_honest_replies_always_pass_the_servers_check(case, count_scale):
+    """A reply built as a client builds it (clipped sum in the working dtype, float64 total, clipped-count
+    coordinate) is accepted for every sample: no rejection depends on the records."""
+    dtype, v, bound = case
+    total, clipped = clipped_sum_and_count(v, bound)
+    out = total.to(torch.float64).numpy()
+    dim = out.shape[0]
+    if count_scale > 0:
+        out = np.append(out, count_scale * bound * clipped)
+    q = Query(1, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, bound, dim, count_scale=count_scale)
+    check_reply(q, Reply(q.qid, 0, out, int(v.shape[0])), dtype)
+
+
+def test_one_float32_record_on_the_bound_is_not_rejected():
+    """The reported case: a float32 record clipped to 1 with the clipped-count coordinate (sensitivity
+    1.00499) had norm 1.0000012 x that and was rejected; now its norm is <= 1 and it passes."""
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for _ in range(200):
+        v = torch.randn(1, 26106, generator=gen, dtype=torch.float32) * 0.37
+        total, clipped = clipped_sum_and_count(v, 1.0)
+        worst = max(worst, float(np.linalg.norm(total.double().numpy())))
+        out = np.append(total.double().numpy(), 0.1 * 1.0 * clipped)
+        q = Query(6, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, 1.0, 26106, count_scale=0.1)
+        check_reply(q, Reply(q.qid, 8, out, 1), "float32")
+    assert 1.0 - 1e-4 < worst <= 1.0
+
+
+def test_norm_upper_bound_is_an_upper_bound_within_the_margin():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES.values():
+        for dim in (1, 63, 64, 65, 1000, 100_003):
+            v = (torch.randn(8, dim, generator=gen, dtype=torch.float64)
+                 * torch.exp(3 * torch.randn(8, dim, generator=gen, dtype=torch.float64))).to(dtype)
+            ratio = norm_upper_bound(v).numpy() / exact_norms(v)
+            assert np.all(ratio >= 1.0) and np.all(ratio <= 1 + 3 * clip_margin(dtype)), (dtype, dim, ratio)
+
+
+def test_rows_with_nan_or_inf_contribute_nothing_and_count_as_clipped():
+    v = torch.tensor([[3.0, 4.0], [math.nan, 1.0], [math.inf, 0.0], [0.3, 0.4]], dtype=torch.float32)
+    total, clipped = clipped_sum_and_count(v, 1.0)
+    assert torch.all(torch.isfinite(total)) and clipped == 3
+    np.testing.assert_allclose(total.numpy(), [0.6 + 0.3, 0.8 + 0.4], rtol=1e-5)
+    out = clip_rows(v, 1.0)
+    assert torch.equal(out[1], torch.zeros(2)) and torch.equal(out[2], torch.zeros(2))
+    scale, scaled = clip_scales(v, 1.0)
+    assert scale[3] == 1.0 and scaled.tolist() == [True, True, True, False]
+
+
+def test_reply_tolerance_is_dtype_aware_and_grows_with_the_count():
+    t32, t64 = reply_tolerance("float32", 1, 100), reply_tolerance("float64", 1, 100)
+    assert 5e-8 < t32 < 7e-8 and t64 < 1e-13
+    assert reply_tolerance("float32", 1000, 100) == pytest.approx(1000 * 2**-24, rel=1e-3)
+    q = Query(1, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, 1.0, 2)
+    over = np.array([1.0 + 3e-7, 0.0])  # float32 slack for one record is 6e-8: this is not rounding
+    with pytest.raises(ReplyError, match="exceeds sensitivity"):
+        check_reply(q, Reply(q.qid, 0, over, 1), "float32")
+    check_reply(q, Reply(q.qid, 0, over, 10), "float32")  # ten records may sum to 10
+    assert reply_tolerance("float32", 0, 100) < 1e-13  # an empty sample must reply exactly zero
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32])
+def test_replies_of_another_dtype_than_float64_are_rejected(dtype):
+    q = Query(1, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, 1.0, 2)
+    with pytest.raises(ReplyError, match=f"dtype {np.dtype(dtype)}, expected float64"):
+        check_reply(q, Reply(q.qid, 4, np.zeros(2, dtype=dtype), 1), "float32")

@@ -5,23 +5,31 @@ It satisfies ``common.transport.Transport``; the engine receives it from the lau
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from ..common.data import ArrayDataset
-from ..common.messages import Query
+from ..common.messages import Query, Reply
 from ..common.partition import make_partition
 from ..common.transport import RoundResult
 from .worker import ShardWorker
 
 
 class LocalTransport:
-    """Runs every client's ``ShardWorker`` in this process, partitioned exactly as the Flower clients."""
+    """Runs every client's ``ShardWorker`` in this process, partitioned exactly as the Flower clients.
+
+    Each client's work on a round runs in a daemon thread and must finish within ``round-timeout`` seconds,
+    as on Flower: a client that hangs becomes a reported failure ("no reply within ...") and the engine's
+    ``on-client-failure`` policy decides, instead of the run hanging. Python cannot stop a thread, so a
+    timed-out client's thread is abandoned (it ends with the process) and its late result is ignored.
+    """
 
     def __init__(self, cfg, train: ArrayDataset) -> None:
         parts = make_partition(cfg, train.y.numpy())
         self.workers = [ShardWorker(cfg, train.subset(idx), pid) for pid, idx in enumerate(parts)]
+        self.timeout = float(cfg.round_timeout)
 
     @property
     def num_records(self) -> int:
@@ -35,13 +43,33 @@ class LocalTransport:
         result = RoundResult({q.qid: [] for q in queries})
         for w in self.workers:
             try:
-                replies = [w.answer(q, versions) for q in queries]
+                replies = self._answer_within_timeout(w, queries, versions)
             except Exception as e:  # noqa: BLE001 - a client's error becomes a reported failure
                 result.failures[w.partition] = f"{type(e).__name__}: {e}"
                 continue
             for q, r in zip(queries, replies, strict=False):
                 result.replies[q.qid].append(r)
         return result
+
+    def _answer_within_timeout(self, worker: ShardWorker, queries: Sequence[Query],
+                               versions: dict[int, np.ndarray]) -> list[Reply]:
+        """``worker``'s replies to ``queries``; raises its error, or TimeoutError after ``self.timeout`` s."""
+        outcome: dict[str, object] = {}
+
+        def work() -> None:
+            try:
+                outcome["replies"] = [worker.answer(q, versions) for q in queries]
+            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=work, name=f"dpdro-client-{worker.partition}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"no reply within {self.timeout:g} s (round-timeout)")
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        return outcome["replies"]  # type: ignore[return-value]
 
     def close(self) -> None:
         self.workers = []

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..common.config import parse_fault
+from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import Query, Reply
 from ..common.models import make_model, resolve_model
@@ -38,6 +38,7 @@ class ShardWorker:
     def __init__(self, cfg, shard: ArrayDataset, partition: int) -> None:
         self.cfg = cfg
         self.partition = partition
+        check_device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)

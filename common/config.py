@@ -342,7 +342,9 @@ FIELDS: tuple[Field, ...] = (
     Field("chunk-size", "int", 256, "Records per vectorised per-record gradient chunk (bounds memory).",
           low=1, high=1_000_000, role="runtime"),
     Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024, role="runtime"),
-    Field("round-timeout", "float", 600.0, "Seconds the Flower server waits for replies of one round.",
+    Field("round-timeout", "float", 600.0,
+          "Seconds the server waits for a round's replies: on Flower for all nodes, in-process for each client; "
+          "a client that misses it counts as failed (on-client-failure).",
           low=0.0, low_open=True, high=1e6, role="runtime"),
     Field("on-client-failure", "str", "retry", "When a client fails or sends a malformed reply: 'fail' the run "
           "with its error; 'retry' the release (max-retries times, then fail); 'drop' the failed clients from "
@@ -492,6 +494,21 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
             raise ConfigError(f"config key 'class-prior-values': got {self.class_prior_values!r}; allowed with "
                               "class-prior='public': comma-separated non-negative numbers, one per class, not all 0")
         return values
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError unless torch can compute on ``device`` (config key device) on this machine.
+
+    Not part of ``Config`` validation: a server may plan a run for sites that have a GPU it lacks; each
+    process that computes on the device calls this before any work (``dpdro train``/``simulate``, every
+    client's ``ShardWorker``)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("config key 'device': got 'cuda', but torch.cuda.is_available() is False on this "
+                              f"machine (no usable CUDA GPU or driver, or a CPU-only torch {torch.__version__}); "
+                              "allowed here: 'cpu'")
 
 
 FAULT_KINDS = ("raise", "raise-once", "nan", "hang")

@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dpdro.common.config import FIELDS, Config, ConfigError, parse_set_args
+from dpdro.common.config import FIELDS, Config, ConfigError, check_device, parse_set_args
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -57,6 +57,10 @@ def _progress_bar(total: int, start: int = 0):
 
     bar = tqdm(total=total, initial=start, desc="training", unit="it", dynamic_ncols=True)
 
+    def on_start(t: int) -> None:  # a resumed run starts at its checkpoint's iteration, not at 0
+        bar.n = bar.last_print_n = bar.initial = t
+        bar.refresh()
+
     def on_step(t: int) -> None:
         bar.update(t - bar.n)
 
@@ -68,7 +72,7 @@ def _progress_bar(total: int, start: int = 0):
         bar.write(f"iteration {row['iteration']:>6}  epsilon {eps:.4f}  test accuracy {row['test_accuracy']:.4f}  "
                   f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
 
-    return bar, Progress(on_step=on_step, on_eval=on_eval)
+    return bar, Progress(on_start=on_start, on_step=on_step, on_eval=on_eval)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -80,6 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
     else:
         cfg = config_from_args(args)
+    check_device(cfg.device)  # before loading data
     train_set = load_from_config(cfg, train=True)
     test_set = load_from_config(cfg, train=False)
     transport = LocalTransport(cfg, train_set)
@@ -122,6 +127,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dpdro.launch.simulate import run_simulation
 
     cfg = config_from_args(args)
+    check_device(cfg.device)  # the simulated clients compute on this machine
     with _own_children():
         summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
     _print_summary(summary, cfg.out_dir)

@@ -65,6 +65,22 @@ class NoiseMonitor:
         for mech in list(self.phase_sq):
             self.phase_ratios.append(math.sqrt(self.phase_sq.pop(mech)))
 
+    def state(self) -> dict:
+        """Everything the monitor carries between releases, as JSON (checkpointed: a resumed run needs the
+        latest refresh std of each block, the open phases, the closed ones and the metrics window)."""
+        return {"refresh_std": dict(self.refresh_std), "phase_sq": dict(self.phase_sq),
+                "phase_ratios": list(self.phase_ratios), "window": {k: list(v) for k, v in self.window.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> NoiseMonitor:
+        """A monitor continuing from ``state()`` (an empty dict gives a fresh one)."""
+        monitor = cls()
+        monitor.refresh_std = {k: float(v) for k, v in state.get("refresh_std", {}).items()}
+        monitor.phase_sq.update({k: float(v) for k, v in state.get("phase_sq", {}).items()})
+        monitor.phase_ratios = [float(r) for r in state.get("phase_ratios", [])]
+        monitor.window.update({k: [float(x) for x in v] for k, v in state.get("window", {}).items()})
+        return monitor
+
     def take_window(self) -> dict[str, float]:
         """Means of the per-release values since the last call (for a metrics row), then reset."""
         out = {k: sum(v) / len(v) for k, v in self.window.items() if v}

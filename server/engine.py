@@ -56,9 +56,10 @@ def resolve_delta(cfg: Config, n: int) -> float:
 
 @dataclass
 class Progress:
-    """Callbacks for the CLI layer: ``on_step(t)`` after each iteration, ``on_eval(row)`` after each
-    evaluation (row = metrics dict)."""
+    """Callbacks for the CLI layer: ``on_start(t)`` once before training (t > 0 when resuming), ``on_step(t)``
+    after each iteration, ``on_eval(row)`` after each evaluation (row = metrics dict)."""
 
+    on_start: Callable[[int], None] = lambda t: None
     on_step: Callable[[int], None] = lambda t: None
     on_eval: Callable[[dict], None] = lambda row: None
 
@@ -280,7 +281,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         arrays, scalars = state.to_arrays()
         rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
                                     "metrics": rows, "wall_seconds": wall(), "noise": noise,
-                                    "setup": setup.to_json(), "server_view": _counter_json(releaser.server_view)})
+                                    "setup": setup.to_json(), "server_view": _counter_json(releaser.server_view),
+                                    "noise_monitor": releaser.monitor.state()})
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
@@ -290,8 +292,11 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                 **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
                 "wall_seconds": wall(), "server_rss_mb": rss_mb()}
 
-    if resume:
-        releaser.server_view = _counter_from_json(rd.load_checkpoint()[1].get("server_view", []))
+    if resume:  # what the releases so far left behind in the releaser (absent from checkpoints before 21.10)
+        saved = rd.load_checkpoint()[1]
+        releaser.server_view = _counter_from_json(saved.get("server_view", []))
+        releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
+    progress.on_start(state.t)
     if not rows:
         rows.append(eval_row())
         rd.write_metrics(rows)

@@ -90,6 +90,51 @@ def test_resume_after_stop_gives_same_result(small_config, tmp_path):
     assert len(events) == 12
 
 
+def test_resumed_run_writes_the_events_summary_and_progress_of_an_uninterrupted_one(small_config, tmp_path):
+    """Issue 21, item 10: after --resume the first difference events lacked noise_ratio_to_refresh,
+    spider_noise.phases undercounted and the progress bar restarted at 0. The noise monitor is now
+    checkpointed and the progress starts at the checkpoint's iteration."""
+    from dpdro.server.engine import Progress
+
+    keys = {"iterations": 9, "q": 3, "checkpoint_every": 2, "eval_every": 3}
+    full_cfg = small_config(out_dir=str(tmp_path / "full"), **keys)
+    full = run_local(full_cfg)
+    part_cfg = small_config(out_dir=str(tmp_path / "part"), **keys)
+    ds_train, ds_test = load_from_config(part_cfg, True), load_from_config(part_cfg, False)
+
+    class Stop(Exception):
+        pass
+
+    class StoppingTransport(LocalTransport):
+        calls = 0
+
+        def run(self, queries, versions):
+            StoppingTransport.calls += 1
+            if StoppingTransport.calls > 11:  # 2 releases per iteration: dies inside iteration 6, after a
+                raise Stop                     # checkpoint at 4 with a phase (refresh at 3) still open
+            return super().run(queries, versions)
+
+    with pytest.raises(Stop):
+        train(part_cfg, StoppingTransport(part_cfg, ds_train), ds_test)
+    starts = []
+    resumed = train(part_cfg, LocalTransport(part_cfg, ds_train), ds_test, resume=True,
+                    progress=Progress(on_start=starts.append))
+    assert starts == [4]
+
+    def events(cfg):
+        return [json.loads(line) for line in open(f"{cfg.out_dir}/events.jsonl")]
+
+    assert events(part_cfg) == events(full_cfg)
+    assert sum("noise_ratio_to_refresh" in e for e in events(part_cfg)) == 12  # every difference release
+    assert resumed.summary["spider_noise"] == full.summary["spider_noise"]
+    assert resumed.summary["spider_noise"]["phases"] == 6  # 3 phases each of x and eta
+    timing = ("wall_seconds", "server_rss_mb")
+    strip = [{k: v for k, v in row.items() if k not in timing} for row in resumed.metrics]
+    assert strip == [{k: v for k, v in row.items() if k not in timing} for row in full.metrics]
+    assert {k: v for k, v in resumed.summary.items() if k not in timing} == \
+        {k: v for k, v in full.summary.items() if k not in timing}
+
+
 def test_resume_with_other_config_is_refused(small_config, tmp_path):
     cfg = small_config(out_dir=str(tmp_path / "r"))
     run_local(cfg)

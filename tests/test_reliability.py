@@ -52,6 +52,40 @@ def test_retry_gives_up_after_max_retries(small_config):
         run_local(cfg)
 
 
+def test_hanging_client_times_out_in_process_and_the_policy_applies(small_config, tmp_path, caplog):
+    """Issue 21, item 10: the in-process 'hang' fault hung the run forever (round-timeout only worked on
+    Flower). Now the client misses round-timeout, is reported, and on-client-failure decides."""
+    cfg = small_config(out_dir=str(tmp_path / "retry"), inject_fault="1:2:hang", on_client_failure="retry",
+                       round_timeout=5.0)
+    with caplog.at_level(logging.WARNING, logger="dpdro"):
+        result = run_local(cfg)
+    assert "client 1 failed: TimeoutError: no reply within 5 s (round-timeout)" in caplog.text
+    assert len(events_of(cfg)) == 12 and np.all(np.isfinite(result.params))  # the hung attempt released nothing
+    failing = small_config(out_dir=str(tmp_path / "fail"), inject_fault="1:2:hang", on_client_failure="fail",
+                           round_timeout=5.0)
+    with pytest.raises(ClientFailure, match=r"client 1: TimeoutError: no reply within 5 s"):
+        run_local(failing)
+
+
+def test_cuda_without_a_gpu_is_a_config_error_before_any_work(small_config, tmp_path, monkeypatch, capsys):
+    """Issue 21, item 10: device=cuda on a machine without a GPU was a traceback deep in the first release;
+    now `dpdro train` exits 2 with one line naming the key, before loading data, and so does a client."""
+    import torch
+
+    from dpdro import cli
+    from dpdro.client.worker import ShardWorker
+    from dpdro.common import data
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine has none; a GPU one too
+    monkeypatch.setattr(data, "load_from_config", lambda *a, **k: pytest.fail("data loaded before the check"))
+    assert cli.main(["train", "--set", "device=cuda", f"out-dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'device': got 'cuda', but torch.cuda.is_available() is False" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="config key 'device'"):
+        ShardWorker(small_config(device="cuda"), None, 0)
+
+
 def test_dropped_client_keeps_noise_and_ledger(small_config, tmp_path, caplog):
     """Case 2: with failures accepted, training goes on without the failed client; the noise std and the
     ledger are those of the plan."""

@@ -33,7 +33,7 @@ from .algorithms import make_algorithm
 from .allocation import allocate, proxy_variance
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
-from .ledger import Ledger, calibrate, epsilon_of
+from .ledger import Ledger, calibrate, check_delta, epsilon_of
 from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
 from .rundir import RunDir, read_json, write_json
 
@@ -50,8 +50,14 @@ class ResumeError(ValueError):
 
 
 def resolve_delta(cfg: Config, n: int) -> float:
-    """delta of the config, or n^-1.1 for 'auto' (ALGORITHMS.md 5.1)."""
-    return float(n) ** -1.1 if cfg.delta == AUTO else float(cfg.delta)
+    """delta of the config, or n^-1.1 for 'auto' (ALGORITHMS.md 5.1). In a private run, raises ConfigError for
+    delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
+    delta = float(n) ** -1.1 if cfg.delta == AUTO else float(cfg.delta)
+    if cfg.private:
+        warning = check_delta(delta, n, cfg.delta)
+        if warning:
+            log.warning("%s", warning)
+    return delta
 
 
 @dataclass

@@ -200,6 +200,28 @@ def _self_composed_points(pmf, count: int) -> int:
     return max(upper - lower + 1, len(probs))
 
 
+def check_delta(delta: float, n: int, given: object) -> str | None:
+    """Check delta against the number n of training records (public); return a warning text or None.
+
+    A delta of 1/n or more allows a mechanism that publishes a random record outright, so it is refused
+    (ConfigError naming config key 'delta', ``given`` as the user wrote it, the resolved value, n and what is
+    allowed); above 1/(10 n) the guarantee is weak and a warning text is returned. Call before any work.
+    """
+    if not (n >= 1 and 0 < delta < 1 / n):
+        resolved = f" (= {delta:.3g})" if str(given) != f"{delta}" else ""
+        raise ConfigError(
+            f"config key 'delta': got {given!r}{resolved} for n = {n} training records; allowed: 0 < delta < 1/n = "
+            f"{1 / max(n, 1):.3g} (a delta of 1/n or more lets a mechanism publish a record outright), better "
+            f"<= 1/(10 n) = {0.1 / max(n, 1):.3g}: give a smaller delta or use more training records "
+            "(max-train-records)")
+    if delta > 0.1 / n:
+        return (f"delta = {delta:.3g} (config key 'delta' = {given!r}) exceeds 1/(10 n) = {0.1 / n:.3g} for n = {n} "
+                f"training records: (epsilon, delta)-DP with delta this close to 1/n = {1 / n:.3g} is a weak "
+                "guarantee (publishing each record outright with probability delta meets it and exposes n x delta = "
+                f"{n * delta:.2g} records on average); prefer delta <= 1/(10 n)")
+    return None
+
+
 def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
     """(rate, z) -> count for a plan at common noise scale ``scale``."""
     counts: Counter = Counter()

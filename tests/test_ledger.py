@@ -9,9 +9,11 @@ from collections import Counter
 import dp_accounting
 import numpy as np
 import pytest
+import torch
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpdro.common.config import Config, ConfigError
 from dpdro.common.messages import Point, Query, Reply
 from dpdro.server import ledger
 from dpdro.server.ledger import Ledger, Mechanism, PrivacyBudgetExceeded
@@ -357,3 +359,60 @@ def test_noisy_mean_has_declared_std():
     a = noisy_mean(q, total, z * clip, n, np.random.default_rng(7))
     b = noisy_mean(q, total, z * clip, n, np.random.default_rng(7))
     assert np.array_equal(a, b)
+
+
+# ---- (f) delta against n (issue 21 item 5) ----
+
+@pytest.mark.parametrize("delta,n,given", [(0.5, 20, 0.5), (0.05, 20, 0.05), (1.0, 1, "auto"), (0.01, 100, 0.01)])
+def test_check_delta_refuses_delta_of_one_over_n_or_more(delta, n, given):
+    with pytest.raises(ConfigError, match=rf"config key 'delta': got {given!r}.*n = {n} training.*1/n = "):
+        ledger.check_delta(delta, n, given)
+
+
+def test_check_delta_warns_above_a_tenth_of_one_over_n():
+    warning = ledger.check_delta(20**-1.1, 20, "auto")  # the issue's n = 20: delta 0.037 > 1/200
+    assert warning is not None and "0.0371" in warning and "1/(10 n) = 0.005" in warning and "n = 20" in warning
+    assert ledger.check_delta(0.004, 20, 0.004) is None
+    assert ledger.check_delta(1e-6, 30_018, 1e-6) is None
+
+
+def _engine_cfg(tmp_path, **values):
+    return Config.from_mapping({"algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 1, "refresh-batch": 4,
+                                "s-batch": 4, "diff-batch": 4, "num-clients": 2, "out-dir": str(tmp_path / "run"),
+                                **values})
+
+
+def test_engine_refuses_delta_at_least_one_over_n_before_any_work(tmp_path):
+    from dpdro.common.data import ArrayDataset
+    from dpdro.server.engine import train
+    from dpdro.server.transport import LocalTransport
+
+    g = torch.Generator().manual_seed(0)
+    data = ArrayDataset(torch.rand(20, 1, 28, 28, generator=g) * 2 - 1, torch.arange(20) % 10, 10, "tiny")
+    cfg = _engine_cfg(tmp_path, delta=0.5)
+    with pytest.raises(ConfigError, match=r"'delta': got 0.5 for n = 20 .*1/n = 0.05"):
+        train(cfg, LocalTransport(cfg, data), data)
+    assert not (tmp_path / "run").exists()  # nothing calibrated, created or written
+
+
+def test_engine_warns_for_auto_delta_of_small_n(tmp_path, caplog):
+    from dpdro.server.engine import resolve_delta
+
+    with caplog.at_level("WARNING", logger="dpdro.server.engine"):
+        assert resolve_delta(_engine_cfg(tmp_path), 20) == pytest.approx(20**-1.1)
+    assert any("exceeds 1/(10 n)" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dpdro.server.engine"):
+        resolve_delta(_engine_cfg(tmp_path, delta=1e-6), 20)
+        resolve_delta(_engine_cfg(tmp_path, epsilon="inf", delta=0.5), 20)  # not private: delta unused
+    assert not caplog.records
+
+
+def test_cli_refuses_auto_delta_for_one_record_before_loading_data(tmp_path, capsys):
+    from dpdro.cli import main
+
+    rc = main(["train", "--set", "max-train-records=1", "iterations=1", f"out-dir={tmp_path / 'run'}",
+               "data-root=/nonexistent"])
+    assert rc == 2
+    assert "config key 'delta': got 'auto' with max-train-records = 1" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -383,9 +383,9 @@ def _engine_cfg(tmp_path, **values):
 
 
 def test_engine_refuses_delta_at_least_one_over_n_before_any_work(tmp_path):
+    from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import ArrayDataset
     from dpdro.server.engine import train
-    from dpdro.server.transport import LocalTransport
 
     g = torch.Generator().manual_seed(0)
     data = ArrayDataset(torch.rand(20, 1, 28, 28, generator=g) * 2 - 1, torch.arange(20) % 10, 10, "tiny")

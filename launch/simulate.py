@@ -3,26 +3,38 @@
 Handles Flower 1.42's pitfalls (FLOWER.md 3.1-3.3, 7): ``flwr run`` exits 0 even when the ServerApp
 fails, so the run's status is read with ``flwr ls``; the per-run ``uv sync`` is disabled
 (FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1) so the app runs in this environment; FLWR_HOME defaults to
-``<app>/.flwr`` so the user's ~/.flwr is untouched; the auto-started local SuperLink, a detached daemon,
-is stopped afterwards if this call started it.
+``<app>/.flwr`` so the user's ~/.flwr is untouched.
+
+The SuperLink is our own: Flower's ``:local:`` connection reuses whatever answers ``/health`` on the fixed
+port 39091 (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``), so another checkout's SuperLink there would run the job
+with *its* code. Instead this module starts ``flower-superlink --simulation`` (the command Flower's CLI
+uses for ``:local:``, in-memory state) on a free port chosen at start, checks that the process listening on
+that port is the one it started (/proc), and points ``flwr`` at it with an explicit connection in a private
+CLI FLWR_HOME. It is stopped, with every descendant (SuperExec, the simulation, Ray), when the run ends,
+fails, or the process gets SIGTERM/SIGINT; ``keep_superlink=True`` keeps it for the next call in this
+process only (stopped at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.config import Config, toml_value
 from ..common.data import DataError, data_missing, resolve_cache_dir, resolve_data_root
 from ..server.rundir import RunDir, read_json
+from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
 
-LOCAL_SUPERLINK_HEALTH = "http://127.0.0.1:39091/health"
+CONNECTION = "dpdro-local"
+STARTUP_TIMEOUT = 60.0
 
 
 class SimulationError(RuntimeError):
@@ -39,41 +51,107 @@ def _flwr(*args: str) -> list[str]:
     return [str(exe) if exe.exists() else "flwr", *args]
 
 
-def _superlink_up() -> bool:
+def _bin(name: str) -> str:
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else name
+
+
+@dataclass
+class LocalSuperLink:
+    """A simulation SuperLink started by this process: its Popen, HTTP port, the FLWR_HOME it runs with, the
+    private CLI FLWR_HOME holding the ``dpdro-local`` connection, and its log file."""
+
+    popen: subprocess.Popen
+    port: int
+    flwr_home: Path
+    cli_home: Path
+    log: Path
+
+    def alive_and_ours(self) -> bool:
+        """Still running and still the listener on its port."""
+        return self.popen.poll() is None and bool(listener_pids(self.port, [self.popen.pid]))
+
+    def stop(self, remove_log: bool = True) -> list[int]:
+        """Stop it and every descendant (SuperExec, simulation, Ray) by PID; remove the CLI home (and the log
+        unless ``remove_log`` is False: kept after a failure). Returns PIDs still alive (empty when all
+        stopped)."""
+        left = stop_tree([self.popen.pid], descendants(self.popen.pid))
+        shutil.rmtree(self.cli_home, ignore_errors=True)
+        if remove_log:
+            self.log.unlink(missing_ok=True)
+        return left
+
+
+_OURS: LocalSuperLink | None = None  # the SuperLink this process started and keeps (keep_superlink=True)
+
+
+def _health(port: int) -> bool:
     try:
-        with urllib.request.urlopen(LOCAL_SUPERLINK_HEALTH, timeout=1):
+        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1):
             return True
     except OSError:
         return False
 
 
-def _local_superlink_pids(flwr_home: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "flower-superlink" in cmd and str(flwr_home) in cmd:
-            pids.append(int(proc.name))
-    return pids
+def start_local_superlink(flwr_home: Path, env: dict) -> LocalSuperLink:
+    """Start ``flower-superlink --insecure --simulation`` on a free port of 127.0.0.1 (new session, FLWR_HOME
+    ``flwr_home``, log ``<flwr_home>/dpdro-superlink-<port>.log``) and wait until it answers. Raises
+    SimulationError if it exits, does not answer within STARTUP_TIMEOUT seconds, or if the process that
+    answers on the port is not the one started here (it is then stopped)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = flwr_home / f"dpdro-superlink-{port}.log"
+    cmd = [_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess", "--host", HOST,
+           "--port", str(port)]
+    with open(log, "ab") as f:
+        popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 cwd=flwr_home, start_new_session=True)
+    cli_home = flwr_home / f"dpdro-cli-{port}"
+    cli_home.mkdir(parents=True, exist_ok=True)
+    (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                          f'address = "{HOST}:{port}"\ninsecure = true\n')
+    link = LocalSuperLink(popen, port, flwr_home, cli_home, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    try:
+        while not _health(port):
+            if popen.poll() is not None:
+                raise SimulationError(f"flower-superlink exited with code {popen.returncode} before answering on "
+                                      f"{HOST}:{port}; log {log}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise SimulationError(f"flower-superlink did not answer on {HOST}:{port} within "
+                                      f"{STARTUP_TIMEOUT:g} s; log {log}:\n{_tail(log)}")
+            time.sleep(0.2)
+        if not link.alive_and_ours():
+            raise SimulationError(f"{HOST}:{port} answers, but not from the SuperLink started here (PID "
+                                  f"{popen.pid}): another process took the port; refusing to submit the job to it")
+    except BaseException:
+        link.stop(remove_log=False)
+        raise
+    return link
 
 
-def stop_local_superlink(flwr_home: Path) -> None:
-    """Stop the local SuperLink that ``flwr run`` auto-started with this FLWR_HOME (by PID)."""
-    for pid in _local_superlink_pids(flwr_home):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 10
-    while _local_superlink_pids(flwr_home) and time.monotonic() < deadline:
-        time.sleep(0.2)
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def stop_local_superlink(flwr_home: Path | None = None, remove_log: bool = True) -> None:  # noqa: ARG001
+    """Stop the SuperLink this process started and kept (``keep_superlink=True``), if any, by PID. Never
+    touches a SuperLink started by anyone else (``flwr_home`` is ignored; kept for old callers)."""
+    global _OURS
+    if _OURS is not None:
+        _OURS.stop(remove_log=remove_log)
+        _OURS = None
+
+
+atexit.register(stop_local_superlink)
 
 
 def _status(run_id: str, env: dict) -> tuple[str, str]:
-    out = subprocess.run(_flwr("ls", "--run-id", run_id, "--format", "json"), env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(_flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json"), env=env,
+                         capture_output=True, text=True, timeout=60)
     try:
         run = json.loads(out.stdout)["runs"][0]
         return run["status"], run.get("status-details", "")
@@ -81,13 +159,28 @@ def _status(run_id: str, env: dict) -> tuple[str, str]:
         return "unknown", out.stdout[-500:] + out.stderr[-500:]
 
 
+def _our_superlink(flwr_home: Path, env: dict) -> LocalSuperLink:
+    """The SuperLink this process kept, if it still runs with this FLWR_HOME and holds its port; else a new
+    one (the stale one stopped)."""
+    global _OURS
+    if _OURS is not None and _OURS.flwr_home == flwr_home and _OURS.alive_and_ours():
+        return _OURS
+    stop_local_superlink()
+    _OURS = start_local_superlink(flwr_home, env)
+    return _OURS
+
+
 def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, timeout: float = 24 * 3600,
                    keep_superlink: bool = False) -> dict:
     """Run ``cfg`` with ``flwr run`` on ``cfg.num_clients`` simulated SuperNodes; return summary.json.
 
-    Relative paths (out-dir, data-root, cache-dir) are made absolute here, since the ServerApp and
-    ClientApps run in other processes and directories. Raises DataError before Flower starts if the data set
-    cannot be found, SimulationError if the run fails.
+    The job goes to a SuperLink this call (or, with ``keep_superlink``, an earlier call in this process)
+    started on a free port, never to one listening elsewhere (module docstring). Relative paths (out-dir,
+    data-root, cache-dir) are made absolute here, since the ServerApp and ClientApps run in other processes
+    and directories. Raises DataError before Flower starts if the data set cannot be found, SimulationError
+    if the run fails. The SuperLink and all its descendants are stopped when the call ends (unless
+    ``keep_superlink`` and it succeeded), also on SIGTERM/SIGHUP (``TerminatedBySignal`` then propagates)
+    and Ctrl-C.
     """
     app_dir = app_dir.resolve()
     cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve()),
@@ -102,40 +195,44 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    started_superlink = not _superlink_up()
     summary_path = RunDir(cfg.out_dir).summary
     summary_path.unlink(missing_ok=True)
     fed = f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1"
-    try:
-        out = subprocess.run(_flwr("run", str(app_dir), "--format", "json", "--federation-config", fed,
-                                   "--run-config", run_config_string(cfg)),
-                             env=env, capture_output=True, text=True, timeout=300)
+    log_proc = None
+    ok = False
+    with stop_on_signals():
         try:
-            run_id = str(json.loads(out.stdout)["run-id"])
-        except (ValueError, KeyError):
-            raise SimulationError(
-                f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}") from None
-        log_proc = None
-        if stream:
-            log_proc = subprocess.Popen(_flwr("log", run_id, "--stream"), env=env)
-        deadline = time.monotonic() + timeout
-        status, details = "pending", ""
-        while time.monotonic() < deadline:
-            status, details = _status(run_id, env)
-            if status.startswith("finished"):
-                break
-            time.sleep(2)
-        if log_proc is not None:
-            time.sleep(1.5)  # let the log stream flush its last lines
-            log_proc.terminate()
-            log_proc.wait(timeout=30)
-        if status != "finished:completed":
-            tail = subprocess.run(_flwr("log", run_id, "--show"), env=env, capture_output=True, text=True,
-                                  timeout=60).stdout[-3000:]
-            raise SimulationError(f"Flower run {run_id} ended with status {status!r} {details}\n{tail}")
-        if not summary_path.exists():
-            raise SimulationError(f"Flower run {run_id} completed but wrote no {summary_path}")
-        return read_json(summary_path)
-    finally:
-        if started_superlink and not keep_superlink:
-            stop_local_superlink(flwr_home)
+            link = _our_superlink(flwr_home, env)
+            cli_env = {**env, "FLWR_HOME": str(link.cli_home)}  # the flwr CLI sees only the dpdro-local connection
+            out = subprocess.run(_flwr("run", str(app_dir), CONNECTION, "--format", "json", "--federation-config",
+                                       fed, "--run-config", run_config_string(cfg)),
+                                 env=cli_env, capture_output=True, text=True, timeout=300)
+            try:
+                run_id = str(json.loads(out.stdout)["run-id"])
+            except (ValueError, KeyError):
+                raise SimulationError(
+                    f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}") from None
+            if stream:
+                log_proc = subprocess.Popen(_flwr("log", run_id, CONNECTION, "--stream"), env=cli_env)
+            deadline = time.monotonic() + timeout
+            status, details = "pending", ""
+            while time.monotonic() < deadline:
+                status, details = _status(run_id, cli_env)
+                if status.startswith("finished"):
+                    break
+                time.sleep(2)
+            if log_proc is not None:
+                time.sleep(1.5)  # let the log stream flush its last lines
+            if status != "finished:completed":
+                tail = subprocess.run(_flwr("log", run_id, CONNECTION, "--show"), env=cli_env, capture_output=True,
+                                      text=True, timeout=60).stdout[-3000:]
+                raise SimulationError(f"Flower run {run_id} ended with status {status!r} {details}\n{tail}")
+            if not summary_path.exists():
+                raise SimulationError(f"Flower run {run_id} completed but wrote no {summary_path}")
+            ok = True
+            return read_json(summary_path)
+        finally:
+            if log_proc is not None:
+                stop_tree([log_proc.pid], grace=5.0)
+            if not (ok and keep_superlink):
+                stop_local_superlink(remove_log=ok)

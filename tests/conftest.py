@@ -22,14 +22,12 @@ SMALL = {
 
 @pytest.fixture(scope="session")
 def flower_superlink():
-    """Lets Flower tests share the auto-started local SuperLink; stops it (by PID) after the session, unless
-    it was already running when the session started (then it belongs to someone else's run)."""
-    from dpdro.launch.simulate import _superlink_up, stop_local_superlink
+    """Lets Flower tests share the simulation SuperLink that run_simulation(keep_superlink=True) started in
+    this process (never one started by anyone else); stops it, by PID, after the session."""
+    from dpdro.launch.simulate import stop_local_superlink
 
-    ours = not _superlink_up()
     yield
-    if ours:
-        stop_local_superlink(Path(os.environ["FLWR_HOME"]).resolve())
+    stop_local_superlink()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ the same flags as the tested deployment."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -300,3 +301,121 @@ def test_operator_guide_mentions_tested_commands():
                    "Docker was not run"):
         assert needle in text, needle
     assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")
+
+
+# ----- simulate never uses a foreign SuperLink (issue 21 item 7) ---------------------------------------------
+def _tiny_run(out: Path) -> dict:
+    return {"num-clients": 2, "iterations": 1, "q": 1, "max-train-records": 2000, "max-test-records": 200,
+            "threads": 1, "eval-every": 1, "out-dir": str(out)}
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_simulate_never_submits_to_a_foreign_superlink(tmp_path, monkeypatch):
+    """A foreign listener answers 200 to everything on Flower's local-SuperLink ports (39091 when free, and
+    the port FLWR_LOCAL_SUPERLINK_HTTP_API_PORT names): dpdro simulate still runs its own job to the end on a
+    SuperLink it started, sends the foreign one nothing, and stops its SuperLink afterwards."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dpdro.common.config import Config
+    from dpdro.launch import simulate
+
+    hits = []
+
+    class Foreign(BaseHTTPRequestHandler):
+        def _answer(self):
+            hits.append((self.command, self.path))
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Foreign)]
+    with contextlib.suppress(OSError):
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 39091), Foreign))
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(servers[0].server_address[1]))
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    try:
+        summary = simulate.run_simulation(Config.from_mapping(_tiny_run(tmp_path / "run")), app_dir=ROOT,
+                                          stream=False)
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+    assert hits == []
+    assert summary["transport"] == "flower" and summary["iterations"] == 1
+    assert simulate._OURS is None  # its SuperLink was stopped
+    assert not list((tmp_path / "flwr").glob("dpdro-cli-*"))
+
+
+# ----- SIGTERM stops every child (issue 21 item 8) ------------------------------------------------------------
+def _marked(marker: str) -> dict[int, str]:
+    """PID -> command line of every process whose environment holds ``marker`` (inherited by all
+    descendants of the process started with it)."""
+    out = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                out[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return out
+
+
+def _sigterm_leaves_nothing(tmp_path: Path, argv: list[str], busy: tuple[str, ...]) -> None:
+    """Start ``dpdro ARGV`` with a marker in its environment, wait until one of its descendants' command
+    lines contains one of ``busy`` (the run is in progress), send SIGTERM, and check that the command exits
+    (status 143) and that no process carrying the marker remains."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"DPDRO_SIGTERM_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "FLWR_HOME": str(tmp_path / "flwr")}
+    log = open(tmp_path / "dpdro.log", "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("dpdro")), *argv], env=env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(b in cmd for cmd in _marked(marker).values() for b in busy):
+            assert proc.poll() is None, (tmp_path / "dpdro.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no {busy} process after 300 s: {_marked(marker)}"
+            time.sleep(0.5)
+        running = _marked(marker)
+        assert len(running) >= 4, running
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        time.sleep(1.0)
+        left = _marked(marker)
+        assert left == {}, f"{len(left)} of {len(running)} processes still run after SIGTERM: {left}"
+        assert proc.returncode == 128 + signal.SIGTERM
+    finally:
+        for pid in _marked(marker):  # never leave the machine dirty, even when the test fails
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_sigterm_to_dpdro_deploy_stops_every_child(tmp_path):
+    sets = [f"{k}={v}" for k, v in {**_tiny_run(tmp_path / "run"), "iterations": 50}.items()]
+    _sigterm_leaves_nothing(tmp_path, ["deploy", "--nodes", "2", "--work-dir", str(tmp_path / "w"), "--quiet",
+                                       "--set", *sets], busy=("flwr-clientapp",))
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_sigterm_to_dpdro_simulate_stops_every_child(tmp_path):
+    sets = [f"{k}={v}" for k, v in {**_tiny_run(tmp_path / "run"), "iterations": 50}.items()]
+    _sigterm_leaves_nothing(tmp_path, ["simulate", "--quiet", "--set", *sets], busy=("raylet",))

@@ -312,9 +312,10 @@ def _tiny_run(out: Path) -> dict:
 @pytest.mark.flower
 @pytest.mark.data
 def test_simulate_never_submits_to_a_foreign_superlink(tmp_path, monkeypatch):
-    """A foreign listener answers 200 to everything on Flower's local-SuperLink ports (39091 when free, and
-    the port FLWR_LOCAL_SUPERLINK_HTTP_API_PORT names): dpdro simulate still runs its own job to the end on a
-    SuperLink it started, sends the foreign one nothing, and stops its SuperLink afterwards."""
+    """A foreign listener answers 200 to everything on Flower's local-SuperLink port (the one
+    FLWR_LOCAL_SUPERLINK_HTTP_API_PORT names; not 39091 itself, which other processes on a shared machine
+    use): dpdro simulate still runs its own job to the end on a SuperLink it started, sends the foreign one
+    nothing, and stops its SuperLink afterwards. (Before: `flwr run` sent the job to the listener.)"""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -337,8 +338,6 @@ def test_simulate_never_submits_to_a_foreign_superlink(tmp_path, monkeypatch):
             pass
 
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), Foreign)]
-    with contextlib.suppress(OSError):
-        servers.append(ThreadingHTTPServer(("127.0.0.1", 39091), Foreign))
     for srv in servers:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(servers[0].server_address[1]))

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/dpdro simulate --config simulations/configs/main.toml
+	$(BIN)/dpdro simulate --config simulations/configs/main.toml --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

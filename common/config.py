@@ -335,6 +335,8 @@ FIELDS: tuple[Field, ...] = (
           "end).", low=0, role="runtime"),
     Field("resume", "bool", False, "Continue the run in out-dir from its checkpoint (its config must match).",
           role="runtime"),
+    Field("overwrite", "bool", False, "Replace the run in a non-empty out-dir (CLI --overwrite); without it (or "
+          "resume) a non-empty out-dir is refused before any work.", role="runtime"),
     Field("out-dir", "str", "runs/latest", "Run directory (relative paths resolve against the current "
           "directory of the process that trains).", role="runtime"),
     Field("device", "str", "cpu", "Torch device for computation.", choices=("cpu", "cuda"), role="algorithm"),

@@ -4,7 +4,9 @@
 Where the files come from (``data-root``): a folder with ``<Name>/raw/`` in torchvision's layout, the
 files either extracted or still ``.gz`` (as in ``../shared/datasets``). Compressed files are checked
 against torchvision's published md5 and decompressed once into the writable ``cache-dir``; the data root
-itself is never written. With ``download=true`` torchvision downloads missing files into the cache.
+itself is never written. An explicit data root must hold the files (extracted or ``.gz``); only
+``data-root=auto`` falls back to the cache's copies when the resolved folder lacks them. With
+``download=true`` torchvision downloads missing files into the cache.
 
 '-ST' construction (ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
 order; for each class k in the first half of the classes keep only its last ceil(r * count_k) records
@@ -26,6 +28,7 @@ cells is made instead: ``CELEBA_SPLIT`` fractions train/validation/test, seed ``
 
 from __future__ import annotations
 
+import contextvars
 import gzip
 import hashlib
 import os
@@ -92,6 +95,11 @@ class DatasetSpec:
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset")
 
+# Whether the built-in loaders may read the cache's copies of files the data root lacks: only for
+# data-root=auto. Set by ``load_dataset`` around each call (a ContextVar keeps the Loader signature of
+# plug-in data sets unchanged).
+_CACHE_FALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("dpdro_cache_fallback", default=True)
+
 
 def register_dataset(name: str, spec: DatasetSpec) -> DatasetSpec:
     """Add a data set under config value ``name`` (ValueError if taken); returns ``spec``."""
@@ -110,7 +118,8 @@ def project_root() -> Path:
 
 def resolve_data_root(value: str) -> Path:
     """``data-root``: the value itself, or for 'auto' $DPDRO_DATA_ROOT, else ../shared/datasets beside the
-    project when it exists, else the cache directory."""
+    project when it exists, else the cache directory. Only with 'auto' may the loaders read the cache's
+    copies when the resolved folder lacks the files; an explicit folder must hold them."""
     if value != AUTO:
         return Path(value).expanduser()
     env = os.environ.get("DPDRO_DATA_ROOT")
@@ -138,8 +147,10 @@ def _md5(path: Path) -> str:
     return h.hexdigest()
 
 
-def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: bool) -> tuple[Path, bool]:
-    """Return (root for torchvision, download flag) after decompressing .gz files into the cache if needed."""
+def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: bool,
+                  cache_fallback: bool) -> tuple[Path, bool]:
+    """Return (root for torchvision, download flag) after decompressing .gz files into the cache if needed.
+    The cache alone (no source file in the data root) is used only when ``cache_fallback`` (data-root=auto)."""
     from torchvision import datasets
 
     tv_class = getattr(datasets, class_name)
@@ -149,9 +160,10 @@ def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: b
     if all((raw / f[:-3]).is_file() for f in files):
         return data_root, False
     cached = cache_dir / class_name / "raw"
-    if all((cached / f[:-3]).is_file() for f in files):
+    has_source = all((raw / f).is_file() for f in files)
+    if all((cached / f[:-3]).is_file() for f in files) and (has_source or cache_fallback):
         return cache_dir, False
-    if all((raw / f).is_file() for f in files):
+    if has_source:
         cached.mkdir(parents=True, exist_ok=True)
         for f in files:
             src = raw / f
@@ -166,16 +178,23 @@ def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: b
     if download:
         cache_dir.mkdir(parents=True, exist_ok=True)
         return cache_dir, True
+    names = ", ".join(f[:-3] for f in files)
+    if not cache_fallback:
+        raise DataError(
+            f"{class_name} not found in data-root {data_root}: looked for {raw}/<file> or <file>.gz with files "
+            f"{names}. Point 'data-root' at a folder holding {class_name}/raw/ (the cache {cache_dir} is used "
+            "without a source only with data-root=auto), or set download=true to fetch it (needs internet).")
     raise DataError(
         f"{class_name} not found: looked for {raw}/<file>[.gz] and {cached}/<file> with files "
-        f"{', '.join(f[:-3] for f in files)}. Point 'data-root' (or $DPDRO_DATA_ROOT) at a folder holding "
+        f"{names}. Point 'data-root' (or $DPDRO_DATA_ROOT) at a folder holding "
         f"{class_name}/raw/, or set download=true to fetch it with torchvision (needs internet).")
 
 
-def _load_torchvision(class_name: str, train: bool, data_root: Path, cache_dir: Path, download: bool):
+def _load_torchvision(class_name: str, train: bool, data_root: Path, cache_dir: Path, download: bool,
+                      cache_fallback: bool):
     from torchvision import datasets
 
-    root, dl = _prepare_root(class_name, data_root, cache_dir, download)
+    root, dl = _prepare_root(class_name, data_root, cache_dir, download, cache_fallback)
     ds = getattr(datasets, class_name)(str(root), train=train, download=dl)
     return ds.data, ds.targets  # uint8 (N, 28, 28), int64 (N,)
 
@@ -203,9 +222,9 @@ def read_cifar_batches(folder: Path, names: list[str]) -> tuple[torch.Tensor, to
     return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
 
 
-def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool):
+def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool, cache_fallback: bool):
     names = CIFAR_TRAIN if train else CIFAR_TEST
-    for root in (data_root, data_root / "CIFAR10", cache_dir):
+    for root in (data_root, data_root / "CIFAR10") + ((cache_dir,) if cache_fallback else ()):
         if all((root / CIFAR_DIR / n).is_file() for n in names):
             return read_cifar_batches(root / CIFAR_DIR, names)
     if download:
@@ -214,8 +233,9 @@ def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool)
         cache_dir.mkdir(parents=True, exist_ok=True)
         datasets.CIFAR10(str(cache_dir), train=train, download=True)
         return read_cifar_batches(cache_dir / CIFAR_DIR, names)
-    raise DataError(f"CIFAR-10 not found: looked for {data_root}/{CIFAR_DIR}/, {data_root}/CIFAR10/{CIFAR_DIR}/ and "
-                    f"{cache_dir}/{CIFAR_DIR}/ with {', '.join(names)}. Point 'data-root' at a folder holding "
+    cached = f" and {cache_dir}/{CIFAR_DIR}/" if cache_fallback else ""
+    raise DataError(f"CIFAR-10 not found: looked for {data_root}/{CIFAR_DIR}/, {data_root}/CIFAR10/{CIFAR_DIR}/"
+                    f"{cached} with {', '.join(names)}. Point 'data-root' at a folder holding "
                     f"{CIFAR_DIR}/ (torchvision's layout), or set download=true (needs internet).")
 
 
@@ -356,7 +376,11 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     root, cache = resolve_data_root(data_root), resolve_cache_dir(cache_dir)
     # a validation split is carved from the training files, unless the data set has its own
     files = split if spec.own_validation or split == "test" else "train"
-    images, labels, groups = spec.load(files, root, cache, download, split_seed)
+    token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
+    try:
+        images, labels, groups = spec.load(files, root, cache, download, split_seed)
+    finally:
+        _CACHE_FALLBACK.reset(token)
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
     if split in ("train", "val") and not spec.own_validation:
@@ -372,13 +396,14 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
 
 def _torchvision_loader(class_name: str) -> Loader:
     def load(split, data_root, cache_dir, download, split_seed):
-        return (*_load_torchvision(class_name, split == "train", data_root, cache_dir, download), None)
+        return (*_load_torchvision(class_name, split == "train", data_root, cache_dir, download,
+                                   _CACHE_FALLBACK.get()), None)
 
     return load
 
 
 def _cifar10_loader(split, data_root, cache_dir, download, split_seed):
-    return (*_load_cifar10(split == "train", data_root, cache_dir, download), None)
+    return (*_load_cifar10(split == "train", data_root, cache_dir, download, _CACHE_FALLBACK.get()), None)
 
 
 # ---- the built-in data sets ('-st': long-tailed, ALGORITHMS.md 6.2) ----
@@ -398,6 +423,22 @@ def data_missing(cfg) -> str | None:
     except DataError as e:
         return str(e)
     return None
+
+
+def pin_data_paths(cfg):
+    """``cfg`` with data-root and cache-dir as absolute folders, for processes that resolve paths elsewhere
+    (Flower's ServerApp and ClientApps, SuperNodes): an explicit data-root made absolute; for 'auto' the folder
+    the data set is read from here (the resolved root, or the cache when only the cache holds it). Loads the
+    evaluation split once or twice; raises DataError (where it looked) when the data set is not available."""
+    cache = str(resolve_cache_dir(cfg.cache_dir).resolve())
+    pinned = cfg.with_updates({"data-root": str(resolve_data_root(cfg.data_root).resolve()), "cache-dir": cache})
+    missing = data_missing(pinned)
+    if missing and cfg.data_root == AUTO:
+        missing = data_missing(cfg.with_updates({"cache-dir": cache}))  # with the cache as fallback, as locally
+        pinned = pinned.with_updates({"data-root": cache})
+    if missing:
+        raise DataError(missing)
+    return pinned
 
 
 def load_from_config(cfg, train: bool | str) -> ArrayDataset:

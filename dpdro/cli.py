@@ -2,6 +2,8 @@
 
     dpdro train [--config FILE.toml] [--set key=value ...]    single-node training (in-process clients)
     dpdro train --resume RUN_DIR                              continue a stopped run with its saved config
+    dpdro train|simulate|deploy --overwrite ...               replace the run in a non-empty out-dir (refused
+                                                              without it, before any work)
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
     dpdro tune --dataset D [--epsilon E] [--trials N]         random search per method on a validation split
@@ -79,11 +81,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
     from dpdro.server.engine import load_run_config, train
+    from dpdro.server.rundir import check_out_dir
 
     if args.resume:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
     else:
         cfg = config_from_args(args)
+    if args.overwrite:
+        cfg = cfg.with_updates({"overwrite": True})
+    check_out_dir(cfg.out_dir, resume=bool(args.resume), overwrite=cfg.overwrite)  # before loading any data
     check_device(cfg.device)  # before loading data
     train_set = load_from_config(cfg, train=True)
     test_set = load_from_config(cfg, train=False)
@@ -127,6 +133,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dpdro.launch.simulate import run_simulation
 
     cfg = config_from_args(args)
+    if args.overwrite:
+        cfg = cfg.with_updates({"overwrite": True})
     check_device(cfg.device)  # the simulated clients compute on this machine
     with _own_children():
         summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
@@ -239,6 +247,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from dpdro.launch.deploy import DeploymentError, deploy_config
 
     cfg = config_from_args(args)
+    if args.overwrite:
+        cfg = cfg.with_updates({"overwrite": True})
     given = {a.split("=", 1)[0] for a in (args.set or [])} | (set(_load_toml(args.config)) if args.config else set())
     if "num-clients" not in given:  # one partition per SuperNode
         cfg = cfg.with_updates({"num-clients": args.nodes})
@@ -270,6 +280,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+OVERWRITE_HELP = ("replace the run in a non-empty out-dir (config key overwrite); without it a non-empty out-dir "
+                  "is refused")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpdro", description="Record-level differentially private DRO training.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -278,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", help="TOML file of configuration keys")
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
+        s.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
         if name == "train":
             s.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its saved config")
         else:
@@ -374,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "SuperNode authentication")
     s.add_argument("--config", help="TOML file of configuration keys")
     s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
+    s.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     s.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
     s.add_argument("--work-dir", default=".flwr/deploy", help="certificates, FLWR_HOMEs, logs")
     s.add_argument("--superlink-port", type=int, default=None,
@@ -410,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - CLI boundary: one clear line, traceback only with -v logging
         from dpdro.server.engine import ResumeError
         from dpdro.server.ledger import PrivacyBudgetExceeded
+        from dpdro.server.rundir import RunFileError
 
-        if isinstance(e, (ResumeError, PrivacyBudgetExceeded)):
+        if isinstance(e, (ResumeError, PrivacyBudgetExceeded, RunFileError)):
             print(f"dpdro: error: {e}", file=sys.stderr)
             return 2
         raise

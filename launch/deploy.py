@@ -434,20 +434,22 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
 
     Each node gets ``data-root``/``cache-dir`` in its node config (default: this machine's resolved
     values), as a real site would. The run config carries absolute paths for the server side.
-    Returns (summary.json, RunOutcome). Raises DeploymentError if the run does not complete or writes no
-    summary; every process is stopped in all cases, also on SIGTERM/SIGHUP (then ``TerminatedBySignal``, a
-    SystemExit, propagates after the cleanup) and Ctrl-C.
+    Returns (summary.json, RunOutcome). Raises ConfigError (before anything starts) for a non-empty out-dir
+    without config key resume or overwrite, DataError (before anything starts) when the data set is not
+    available here, DeploymentError if the run does not complete or writes no summary; every process is
+    stopped in all cases, also on SIGTERM/SIGHUP (then ``TerminatedBySignal``, a SystemExit, propagates after
+    the cleanup) and Ctrl-C.
     """
     from ..common.config import toml_value
-    from ..common.data import resolve_cache_dir, resolve_data_root
-    from ..server.rundir import RunDir, read_json
+    from ..common.data import pin_data_paths
+    from ..server.rundir import RunDir, check_out_dir, read_json
 
     if cfg.num_clients != num_nodes:
         raise DeploymentError(f"num-clients={cfg.num_clients} but {num_nodes} SuperNodes: they must be equal")
-    data_root = str(resolve_data_root(cfg.data_root).resolve())
-    cache_dir = str(resolve_cache_dir(cfg.cache_dir).resolve())
-    cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve()), "data-root": data_root,
-                            "cache-dir": cache_dir})
+    cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve())})
+    check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work
+    cfg = pin_data_paths(cfg)  # DataError (where it looked) before any process starts
+    data_root, cache_dir = cfg.data_root, cfg.cache_dir
     node_cfg = {"data-root": node_data_root or data_root, "cache-dir": node_cache_dir or cache_dir}
     summary_path = RunDir(cfg.out_dir).summary
     summary_path.unlink(missing_ok=True)

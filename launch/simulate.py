@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.config import Config, toml_value
-from ..common.data import DataError, data_missing, resolve_cache_dir, resolve_data_root
-from ..server.rundir import RunDir, read_json
+from ..common.data import pin_data_paths
+from ..server.rundir import RunDir, check_out_dir, read_json
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
 
 CONNECTION = "dpdro-local"
@@ -177,18 +177,15 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     The job goes to a SuperLink this call (or, with ``keep_superlink``, an earlier call in this process)
     started on a free port, never to one listening elsewhere (module docstring). Relative paths (out-dir,
     data-root, cache-dir) are made absolute here, since the ServerApp and ClientApps run in other processes
-    and directories. Raises DataError before Flower starts if the data set cannot be found, SimulationError
-    if the run fails. The SuperLink and all its descendants are stopped when the call ends (unless
-    ``keep_superlink`` and it succeeded), also on SIGTERM/SIGHUP (``TerminatedBySignal`` then propagates)
-    and Ctrl-C.
+    and directories. Raises ConfigError before Flower starts if out-dir is not empty (without config key
+    resume or overwrite), DataError if the data set cannot be found, SimulationError if the run fails. The
+    SuperLink and all its descendants are stopped when the call ends (unless ``keep_superlink`` and it
+    succeeded), also on SIGTERM/SIGHUP (``TerminatedBySignal`` then propagates) and Ctrl-C.
     """
     app_dir = app_dir.resolve()
-    cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve()),
-                            "data-root": str(resolve_data_root(cfg.data_root).resolve()),
-                            "cache-dir": str(resolve_cache_dir(cfg.cache_dir).resolve())})
-    missing = data_missing(cfg)  # the clear DataError now, not from inside the ServerApp after Flower started
-    if missing:
-        raise DataError(missing)
+    cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve())})
+    check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work
+    cfg = pin_data_paths(cfg)  # the clear DataError now, not from inside the ServerApp after Flower started
     env = dict(os.environ)
     flwr_home = Path(env.setdefault("FLWR_HOME", str(app_dir / ".flwr"))).resolve()
     env["FLWR_HOME"] = str(flwr_home)

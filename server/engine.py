@@ -35,7 +35,7 @@ from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger, calibrate, check_delta, epsilon_of
 from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
-from .rundir import RunDir, read_json, write_json
+from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +234,12 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
           progress: Progress | None = None, transport_name: str = "local") -> RunResult:
     """Run (or, with ``resume``, continue) training as configured; write the run directory.
 
-    Raises ConfigError for a configuration the data cannot support, ResumeError for an unusable
-    checkpoint, and ledger.PrivacyBudgetExceeded if a release would overspend (nothing is released then).
+    Raises ConfigError for a configuration the data cannot support or an out-dir that is not empty (without
+    ``resume`` or config key overwrite; ``rundir.check_out_dir``), ResumeError for an unusable checkpoint,
+    and ledger.PrivacyBudgetExceeded if a release would overspend (nothing is released then).
     """
     progress = progress or Progress()
+    check_out_dir(cfg.out_dir, resume=resume, overwrite=cfg.overwrite)  # before calibration: nothing to lose
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     n = transport.num_records
@@ -270,7 +272,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     if resume:
         state, rows, wall_before, setup = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
     else:
-        rd.events.unlink(missing_ok=True)
+        rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         write_json(rd.config, meta_config)
         setup = setup_releases.initial(cfg, test.num_classes)
         for stage in setup_releases.stages(cfg, test.num_classes):
@@ -411,17 +413,26 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
     if not rd.checkpoint.exists():
         raise ResumeError(f"no checkpoint at {rd.checkpoint}: nothing to resume")
     arrays, meta = rd.load_checkpoint()
-    saved = Config.from_mapping(meta["config"]).to_dict()
+    try:
+        saved = Config.from_mapping(meta["config"]).to_dict()
+    except (KeyError, TypeError, ConfigError) as e:
+        raise RunFileError(f"checkpoint {rd.checkpoint} holds no valid configuration ({e}): it cannot be resumed; "
+                           "start again with --overwrite (or in a new out-dir)") from None
     if _comparable(saved) != _comparable(cfg.to_dict()):
         diff = sorted(k for k in _comparable(saved) if saved[k] != cfg.to_dict().get(k))
         raise ResumeError(f"checkpoint in {rd.path} was written by another configuration (differs in: "
                           f"{', '.join(diff)}); resume with the run's own config.json")
-    state = type(fresh_state).from_arrays(arrays, meta["state"])
-    ledger.load_state(meta["ledger"])
+    try:
+        state = type(fresh_state).from_arrays(arrays, meta["state"])
+        ledger.load_state(meta["ledger"])
+        rows, wall_before = list(meta["metrics"]), float(meta["wall_seconds"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunFileError(f"checkpoint {rd.checkpoint} is incomplete ({type(e).__name__}: {e}): it cannot be "
+                           "resumed; start again with --overwrite (or in a new out-dir)") from None
     rd.truncate_events(state.t)
     log.info("resumed %s at iteration %d (epsilon spent %.4f)", rd.path, state.t, ledger.epsilon_spent())
     setup = setup_releases.SetupResult.from_json(meta.get("setup", {}))
-    return state, list(meta["metrics"]), float(meta["wall_seconds"]), setup
+    return state, rows, wall_before, setup
 
 
 def load_run_config(out_dir: str) -> Config:
@@ -430,10 +441,16 @@ def load_run_config(out_dir: str) -> Config:
     if not path.exists():
         raise ResumeError(f"no config.json in {out_dir}: not a dpdro run directory")
     saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise RunFileError(f"{path} is not a JSON object of configuration keys: restore it, or start the run "
+                           "again in a new out-dir")
     keys = {k: v for k, v in saved.items() if k not in RUN_FACTS}
     if keys.get("epsilon") == "inf":
         keys["epsilon"] = math.inf
-    return Config.from_mapping(keys)
+    try:
+        return Config.from_mapping(keys).with_updates({"overwrite": False})
+    except ConfigError as e:
+        raise RunFileError(f"{path}: {e}; restore the file, or start the run again in a new out-dir") from None
 
 
 def _versions() -> dict:

@@ -72,7 +72,8 @@ def _train(base: dict, data: ArrayDataset, test: ArrayDataset, eps: float, seed:
     from ..client.local_transport import LocalTransport
     from ..server.engine import train
 
-    cfg = Config.from_mapping({**base, "epsilon": eps, "seed": seed, "out-dir": str(out)})
+    # The audit trains every model afresh on each call: its own run directories are replaced.
+    cfg = Config.from_mapping({**base, "epsilon": eps, "seed": seed, "out-dir": str(out), "overwrite": True})
     return train(cfg, LocalTransport(cfg, data), test).params
 
 

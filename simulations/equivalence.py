@@ -33,7 +33,8 @@ def compare(dataset: str, root: Path, overrides: dict | None = None) -> dict:
     from ..launch.simulate import run_simulation
     from ..server.engine import train
 
-    base = {**SHORT, "dataset": dataset, **(overrides or {})}
+    # Both runs are made afresh on each call: their run directories under root are replaced.
+    base = {**SHORT, "dataset": dataset, "overwrite": True, **(overrides or {})}
     local_cfg = Config.from_mapping({**base, "out-dir": str(root / dataset / "single-node")})
     train_set, test_set = load_from_config(local_cfg, True), load_from_config(local_cfg, False)
     local = train(local_cfg, LocalTransport(local_cfg, train_set), test_set).summary

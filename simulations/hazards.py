@@ -90,15 +90,16 @@ def _slug(label: str) -> str:
 
 def run_hazards(seeds: list[int], root: Path, docs: Path, jobs: int = 2) -> Path:
     """Run every variant x seed not finished yet (``jobs`` at a time), then write docs/HAZARDS.md."""
+    from ..server.rundir import continue_keys
     from .runner import run_many
 
     plans = []
     for label, _, keys in variants() + baseline_variants():
         for seed in seeds:
             out = root / _slug(label) / f"seed{seed}"
-            if not (out / "summary.json").exists():
+            if not (out / "summary.json").exists():  # unfinished: resume it, or start again
                 plans.append(Config.from_mapping({**keys, "seed": seed, "epsilon": EPSILON, "eval-every": 100,
-                                                  "out-dir": str(out)}))
+                                                  "out-dir": str(out), **continue_keys(out)}))
     run_many(plans, jobs, "hazards")
     return write_hazards(seeds, root, docs)
 

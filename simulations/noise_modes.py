@@ -11,7 +11,6 @@ wall time. Every figure comes from the runs' own summary.json and events.jsonl.
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
 from pathlib import Path
@@ -32,6 +31,7 @@ def base_keys(path: Path = MAIN) -> dict:
 def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Path("."), seed: int = 0) -> Path:
     """Run each mode on Flower (skipping finished runs) and write docs/NOISE_MODES.md."""
     from ..launch.simulate import run_simulation
+    from ..server.rundir import RunDir, continue_keys, read_json
 
     base = base_keys()
     rows = []
@@ -39,10 +39,10 @@ def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Pat
         out = (root / f"{mode}-T{iterations}-seed{seed}").resolve()
         cfg = Config.from_mapping({**base, "iterations": iterations, "eval-every": iterations, "noise-mode": mode,
                                    "seed": seed, "out-dir": str(out)})
-        if not (out / "summary.json").exists():
-            run_simulation(cfg, app_dir=app_dir, stream=False)
-        s = json.loads((out / "summary.json").read_text())
-        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        if not (out / "summary.json").exists():  # unfinished: resume it, or start again
+            run_simulation(cfg.with_updates(continue_keys(out)), app_dir=app_dir, stream=False)
+        s = read_json(out / "summary.json")
+        events = RunDir(out).read_events()
         quant = [e["quantisation_bound"] / (e["noise_multiplier"] * e["clip"]) for e in events
                  if "quantisation_bound" in e]
         rows.append((mode, s, max(quant) if quant else None))

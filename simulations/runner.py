@@ -15,19 +15,22 @@ from ..common.config import Config
 
 
 def run_one(values: dict) -> tuple[str, str | None]:
-    """Train the configuration ``values`` (kebab-case keys) in this process; returns (out-dir, None), or
-    (out-dir, message) when its data is not available (DataError)."""
+    """Train the configuration ``values`` (kebab-case keys) in this process (continuing its checkpoint when
+    key resume is set); returns (out-dir, None), or (out-dir, message) when its data is not available
+    (DataError). Raises ConfigError for a non-empty out-dir without key resume or overwrite."""
     from ..client.local_transport import LocalTransport
     from ..common.data import DataError, load_from_config
     from ..server.engine import train
+    from ..server.rundir import check_out_dir
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = Config.from_mapping(values)
+    check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before loading any data
     try:
         train_set, eval_set = load_from_config(cfg, True), load_from_config(cfg, False)
     except DataError as e:
         return cfg.out_dir, str(e)
-    train(cfg, LocalTransport(cfg, train_set), eval_set)
+    train(cfg, LocalTransport(cfg, train_set), eval_set, resume=cfg.resume)
     return cfg.out_dir, None
 
 

@@ -119,6 +119,7 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
     returns counts {'done', 'skipped', 'missing-data'}."""
     from ..launch.simulate import run_simulation
+    from ..server.rundir import continue_keys
     from .runner import run_many
 
     cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons)
@@ -127,8 +128,8 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     for cfg in cfgs:
         if (Path(cfg.out_dir) / "summary.json").exists():
             counts["skipped"] += 1
-        else:
-            todo.append(cfg)
+        else:  # an unfinished run goes on from its checkpoint (or starts again if it has none)
+            todo.append(cfg.with_updates(continue_keys(cfg.out_dir)))
     if transport == "flower":
         for cfg in todo:
             try:

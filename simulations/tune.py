@@ -117,6 +117,7 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
     """Run every unfinished trial (``jobs`` processes), then write the tuned config files. Returns
     method -> the winning trial's record (see ``collect_trials``)."""
     from ..common.data import DataError
+    from ..server.rundir import continue_keys
     from .runner import run_many
 
     stored = search_file(root, dataset, epsilon)
@@ -129,8 +130,8 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
     for method in methods:
         for i, keys in enumerate(trial_keys(method, trials, seed)):
             cfg = trial_config(dataset, epsilon, method, keys, trial_dir(root, dataset, epsilon, method, i))
-            if not (Path(cfg.out_dir) / "summary.json").exists():
-                plans.append(cfg)
+            if not (Path(cfg.out_dir) / "summary.json").exists():  # unfinished: resume it, or start again
+                plans.append(cfg.with_updates(continue_keys(cfg.out_dir)))
     log.info("%d trials to run", len(plans))
     for _, missing in run_many(plans, jobs, f"tune {dataset} eps {epsilon:g}"):
         if missing:

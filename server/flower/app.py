@@ -26,6 +26,7 @@ def _print_eval(row: dict) -> None:
 def main(grid: Grid, context: Context) -> None:
     from ...common.data import load_from_config
     from ..engine import Progress, train
+    from ..rundir import check_out_dir
     from .transport import FlowerTransport
 
     ours = logging.getLogger("dpdro")  # our logger only: the root logger carries Flower's HTTP chatter
@@ -37,6 +38,7 @@ def main(grid: Grid, context: Context) -> None:
     ours.propagate = False
     logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = Config.from_mapping(dict(context.run_config))
+    check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before loading any data
     test = load_from_config(cfg, train=False)
     transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,
                                 secure=cfg.noise_mode == "distributed", num_shares=cfg.secagg_num_shares,

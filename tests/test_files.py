@@ -1,0 +1,288 @@
+"""Files a user or an attacker may hand us (issue 21 items 3, 4 and 9): run directories are never replaced
+silently, an explicit data root must hold the data, and corrupt or hand-edited files give one clear line
+naming the file and what to do, before any work and without overwriting anything."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpdro.client.local_transport import LocalTransport
+from dpdro.common.config import Config, ConfigError
+from dpdro.common.data import ArrayDataset
+from dpdro.server import rundir
+from dpdro.server.engine import train
+from dpdro.server.rundir import RunDir
+
+N, K = 200, 10
+
+
+def tiny_data() -> ArrayDataset:
+    g = torch.Generator().manual_seed(0)
+    return ArrayDataset(torch.rand((N, 1, 28, 28), generator=g, dtype=torch.float32) * 2 - 1,
+                        torch.arange(N) % K, K, "tiny")
+
+
+def tiny_cfg(out, **kw) -> Config:
+    values = {"algorithm": "dp-sgd", "epsilon": "inf", "refresh-batch": 10, "diff-batch": 5, "num-clients": 2,
+              "reproducible": True, "iterations": 2, "eval-every": 2, "checkpoint-every": 1, "threads": 1,
+              "delta": 1e-3, "out-dir": str(out)}
+    values.update({k.replace("_", "-"): v for k, v in kw.items()})
+    return Config.from_mapping(values)
+
+
+def run_tiny(cfg, resume=False):
+    data = tiny_data()
+    return train(cfg, LocalTransport(cfg, data), data, resume=resume)
+
+
+def snapshot(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    out = tmp_path / "done"
+    run_tiny(tiny_cfg(out))
+    return out
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if any data is loaded (the out-dir checks must come first)."""
+    import dpdro.common.data as data
+
+    def refuse(*a, **k):
+        raise AssertionError("data were loaded before the out-dir was checked")
+
+    monkeypatch.setattr(data, "load_from_config", refuse)
+    monkeypatch.setattr(data, "data_missing", refuse)
+
+
+def cli(*args):
+    from dpdro.cli import main
+
+    return main(list(args))
+
+
+# ---- item 3: run directories are never replaced silently ----
+
+def test_cli_refuses_a_finished_run_dir_before_loading_data(finished_run, no_work, capsys):
+    before = snapshot(finished_run)
+    assert cli("train", "--set", f"out-dir={finished_run}", "threads=1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(finished_run) in err
+    assert "--resume" in err and "--overwrite" in err and "summary.json" in err
+    assert snapshot(finished_run) == before
+
+
+def test_cli_refuses_a_folder_with_other_files(tmp_path, no_work, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli("train", "--set", f"out-dir={tmp_path}") == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_cli_refuses_a_file_as_out_dir(tmp_path, no_work, capsys, below):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    out = f / "run" if below else f
+    assert cli("train", "--set", f"out-dir={out}") == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a folder" in err and str(f) in err and "Traceback" not in err
+    assert f.read_text() == "x"
+
+
+def test_cli_resume_and_overwrite_together_are_refused(finished_run, no_work, capsys):
+    assert cli("train", "--resume", str(finished_run), "--overwrite") == 2
+    assert "choose one" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_is_refused_before_work(tmp_path, no_work, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cfg(tmp_path).to_dict()))
+    assert cli("train", "--resume", str(tmp_path)) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_train_refuses_non_empty_out_dir_and_overwrite_replaces_only_run_files(finished_run):
+    (finished_run / "notes.txt").write_text("mine")
+    before = snapshot(finished_run)
+    with pytest.raises(ConfigError, match="not empty"):
+        run_tiny(tiny_cfg(finished_run, seed=5))
+    assert snapshot(finished_run) == before
+    # overwrite: the old run's files go first (an interrupted overwrite can never leave the old summary)
+    cfg = tiny_cfg(finished_run, seed=5, overwrite=True, iterations=1, eval_every=1, checkpoint_every=0)
+    result = run_tiny(cfg)
+    assert (finished_run / "notes.txt").read_text() == "mine"
+    assert json.loads((finished_run / "summary.json").read_text())["seed"] == 5
+    assert json.loads((finished_run / "config.json").read_text())["seed"] == 5
+    assert result.summary["releases"] == {"grad": 1}
+    assert set(rundir.RUN_FILES) <= set(snapshot(finished_run)) | {"checkpoint/state.npz"}
+
+
+def test_overwrite_clears_the_old_summary_before_training(finished_run):
+    class Stop(Exception):
+        pass
+
+    class Dies(LocalTransport):
+        def run(self, queries, versions):
+            raise Stop
+
+    cfg = tiny_cfg(finished_run, seed=5, overwrite=True)
+    with pytest.raises(Stop):
+        train(cfg, Dies(cfg, tiny_data()), tiny_data())
+    assert not (finished_run / "summary.json").exists()
+    assert not (finished_run / "checkpoint" / "state.npz").exists()
+
+
+def test_simulate_and_deploy_refuse_before_starting_anything(finished_run, no_work, monkeypatch):
+    import subprocess
+
+    from dpdro.launch import deploy
+    from dpdro.launch.simulate import run_simulation
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(deploy, "LoopbackDeployment", lambda *a, **k: pytest.fail("a deployment was started"))
+    before = snapshot(finished_run)
+    cfg = tiny_cfg(finished_run, num_clients=2)
+    with pytest.raises(ConfigError, match="not empty"):
+        run_simulation(cfg, stream=False)
+    with pytest.raises(ConfigError, match="not empty"):
+        deploy.deploy_config(cfg, 2, finished_run.parent / "work")
+    assert snapshot(finished_run) == before
+
+
+def test_flower_run_config_carries_overwrite():
+    from dpdro.launch.simulate import run_config_string
+
+    assert "overwrite=true" in run_config_string(Config.from_mapping({"overwrite": True}))
+
+
+def test_check_out_dir_accepts_missing_and_empty(tmp_path):
+    rundir.check_out_dir(tmp_path / "new" / "run", resume=False, overwrite=False)
+    rundir.check_out_dir(tmp_path, resume=False, overwrite=False)
+
+
+def test_continue_keys_of_unfinished_runs(tmp_path, finished_run):
+    assert rundir.continue_keys(tmp_path / "missing") == {}
+    (tmp_path / "empty").mkdir()
+    assert rundir.continue_keys(tmp_path / "empty") == {}
+    assert rundir.continue_keys(finished_run) == {"resume": True}
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "config.json").write_text("{}")
+    assert rundir.continue_keys(stopped) == {"overwrite": True}
+    rd = RunDir(finished_run)
+    rd.checkpoint.write_bytes(rd.checkpoint.read_bytes()[:100])
+    assert rundir.continue_keys(finished_run) == {"overwrite": True}
+
+
+def test_a_stopped_run_resumes_through_continue_keys(tmp_path):
+    """What a sweep does with an unfinished run: resume it from its checkpoint; it ends like an uninterrupted
+    run (reproducible mode)."""
+    full = run_tiny(tiny_cfg(tmp_path / "full", iterations=4, eval_every=1))
+
+    class Stop(Exception):
+        pass
+
+    class StopsAt3(LocalTransport):
+        def run(self, queries, versions):
+            if queries[0].iteration >= 3:
+                raise Stop
+            return super().run(queries, versions)
+
+    cfg = tiny_cfg(tmp_path / "part", iterations=4, eval_every=1)
+    with pytest.raises(Stop):
+        train(cfg, StopsAt3(cfg, tiny_data()), tiny_data())
+    keys = rundir.continue_keys(cfg.out_dir)
+    assert keys == {"resume": True}
+    resumed = run_tiny(cfg.with_updates(keys), resume=True)
+    assert np.array_equal(resumed.params, full.params)
+    assert resumed.summary["releases"] == full.summary["releases"]
+
+
+# ---- item 4: an explicit data root must hold the data ----
+
+MNIST_FILES = {"train-images-idx3-ubyte": (2051, 30), "train-labels-idx1-ubyte": (2049, 30),
+               "t10k-images-idx3-ubyte": (2051, 12), "t10k-labels-idx1-ubyte": (2049, 12)}
+
+
+def idx_bytes(magic: int, n: int) -> bytes:
+    """A small file in MNIST's IDX format: n images 28x28 (magic 2051) or n labels (2049)."""
+    import struct
+
+    rng = np.random.default_rng(magic + n)
+    if magic == 2051:
+        return struct.pack(">iiii", magic, n, 28, 28) + rng.integers(0, 256, n * 784, dtype=np.uint8).tobytes()
+    return struct.pack(">ii", magic, n) + (np.arange(n) % 10).astype(np.uint8).tobytes()
+
+
+def write_mnist(folder, gz=False):
+    """Synthetic MNIST files in torchvision's layout under folder/MNIST/raw (extracted or .gz)."""
+    import gzip
+
+    raw = folder / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name, (magic, n) in MNIST_FILES.items():
+        data = idx_bytes(magic, n)
+        if gz:
+            (raw / (name + ".gz")).write_bytes(gzip.compress(data))
+        else:
+            (raw / name).write_bytes(data)
+    return folder
+
+
+def test_explicit_empty_data_root_is_an_error_not_the_cache(tmp_path):
+    from dpdro.common.data import DataError, load_dataset
+
+    cache = write_mnist(tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError) as e:
+        load_dataset("mnist", True, data_root=str(tmp_path / "empty"), cache_dir=str(cache))
+    msg = str(e.value)
+    assert str(tmp_path / "empty" / "MNIST" / "raw") in msg and "train-images-idx3-ubyte" in msg
+    assert "data-root=auto" in msg
+
+
+def test_cache_is_the_fallback_for_auto_only(tmp_path, monkeypatch):
+    from dpdro.common.data import load_dataset
+
+    cache = write_mnist(tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("DPDRO_DATA_ROOT", str(tmp_path / "empty"))
+    monkeypatch.setenv("DPDRO_CACHE_DIR", str(cache))
+    assert len(load_dataset("mnist", True)) == 30 and len(load_dataset("mnist", False)) == 12
+
+
+def test_explicit_cifar_root_does_not_fall_back_to_cache(tmp_path):
+    import pickle
+
+    from dpdro.common.data import CIFAR_DIR, CIFAR_TEST, DataError, load_dataset
+
+    folder = tmp_path / "cache" / CIFAR_DIR
+    folder.mkdir(parents=True)
+    for name in CIFAR_TEST:
+        (folder / name).write_bytes(pickle.dumps({b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3]}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="CIFAR-10 not found") as e:
+        load_dataset("cifar10", False, data_root=str(tmp_path / "empty"), cache_dir=str(tmp_path / "cache"))
+    assert str(tmp_path / "cache") not in str(e.value)
+
+
+def test_flower_paths_pin_auto_to_where_the_data_are(tmp_path, monkeypatch):
+    from dpdro.common.data import DataError, pin_data_paths
+
+    cache = write_mnist(tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("DPDRO_DATA_ROOT", str(tmp_path / "empty"))
+    cfg = Config.from_mapping({"dataset": "mnist", "cache-dir": str(cache)})
+    assert pin_data_paths(cfg).data_root == str(cache.resolve())  # auto: the cache stands in, as locally
+    explicit = cfg.with_updates({"data-root": str(tmp_path / "empty")})
+    with pytest.raises(DataError, match="not found in data-root"):
+        pin_data_paths(explicit)
+    source = write_mnist(tmp_path / "src", gz=False)
+    assert pin_data_paths(cfg.with_updates({"data-root": str(source)})).data_root == str(source.resolve())

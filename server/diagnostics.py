@@ -74,11 +74,14 @@ class NoiseMonitor:
     @classmethod
     def from_state(cls, state: dict) -> NoiseMonitor:
         """A monitor continuing from ``state()`` (an empty dict gives a fresh one)."""
+        def num(v) -> float:  # the checkpoint's JSON holds NaN as null (rundir._jsonable), inf as "inf"
+            return math.nan if v is None else float(v)
+
         monitor = cls()
-        monitor.refresh_std = {k: float(v) for k, v in state.get("refresh_std", {}).items()}
-        monitor.phase_sq.update({k: float(v) for k, v in state.get("phase_sq", {}).items()})
-        monitor.phase_ratios = [float(r) for r in state.get("phase_ratios", [])]
-        monitor.window.update({k: [float(x) for x in v] for k, v in state.get("window", {}).items()})
+        monitor.refresh_std = {k: num(v) for k, v in state.get("refresh_std", {}).items()}
+        monitor.phase_sq.update({k: num(v) for k, v in state.get("phase_sq", {}).items()})
+        monitor.phase_ratios = [num(r) for r in state.get("phase_ratios", [])]
+        monitor.window.update({k: [num(x) for x in v] for k, v in state.get("window", {}).items()})
         return monitor
 
     def take_window(self) -> dict[str, float]:

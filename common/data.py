@@ -6,7 +6,9 @@ files either extracted or still ``.gz`` (as in ``../shared/datasets``). Compress
 against torchvision's published md5 and decompressed once into the writable ``cache-dir``; the data root
 itself is never written. An explicit data root must hold the files (extracted or ``.gz``); only
 ``data-root=auto`` falls back to the cache's copies when the resolved folder lacks them. With
-``download=true`` torchvision downloads missing files into the cache.
+``download=true`` torchvision downloads missing files into the cache. Damaged files are found before they are
+read (``common.cache_files``): a damaged cached copy of an intact source is rebuilt; any other damaged file is
+a DataError naming it.
 
 '-ST' construction (ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
 order; for each class k in the first half of the classes keep only its last ceil(r * count_k) records
@@ -29,11 +31,11 @@ cells is made instead: ``CELEBA_SPLIT`` fractions train/validation/test, seed ``
 from __future__ import annotations
 
 import contextvars
-import gzip
 import hashlib
+import logging
 import os
 import pickle
-import shutil
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
 from .registry import AUTO, Registry
+
+log = logging.getLogger(__name__)
 
 
 class DataError(FileNotFoundError):
@@ -150,7 +155,12 @@ def _md5(path: Path) -> str:
 def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: bool,
                   cache_fallback: bool) -> tuple[Path, bool]:
     """Return (root for torchvision, download flag) after decompressing .gz files into the cache if needed.
-    The cache alone (no source file in the data root) is used only when ``cache_fallback`` (data-root=auto)."""
+
+    Every file torchvision will read is checked first (``cache_files``): extracted files in the data root
+    against their IDX header; cached copies against the record written beside them. A damaged cached copy
+    of an intact source is rebuilt from it (with a warning); one without a source is a DataError naming
+    the file to delete. The cache alone (no source in the data root) is used only when ``cache_fallback``
+    (data-root=auto)."""
     from torchvision import datasets
 
     tv_class = getattr(datasets, class_name)
@@ -158,22 +168,38 @@ def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: b
     md5s = {Path(url).name: md5 for url, md5 in tv_class.resources}
     raw = data_root / class_name / "raw"
     if all((raw / f[:-3]).is_file() for f in files):
+        for f in files:
+            if problem := idx_problem(raw / f[:-3]):
+                raise DataError(f"{raw / f[:-3]} {problem}: replace it with the original {class_name} file (or "
+                                "its .gz beside it and delete the damaged one); the data root is never written")
         return data_root, False
     cached = cache_dir / class_name / "raw"
-    has_source = all((raw / f).is_file() for f in files)
-    if all((cached / f[:-3]).is_file() for f in files) and (has_source or cache_fallback):
-        return cache_dir, False
-    if has_source:
-        cached.mkdir(parents=True, exist_ok=True)
+    if all((raw / f).is_file() for f in files):
         for f in files:
-            src = raw / f
+            src, dest = raw / f, cached / f[:-3]
+            problem = cache_entry_problem(dest) if dest.is_file() else None
+            if dest.is_file() and not problem:
+                continue
+            if problem:  # a copy from before records were written is expected after an upgrade: not a warning
+                level = logging.INFO if not record_path(dest).is_file() else logging.WARNING
+                log.log(level, "cached %s %s: rebuilding it from %s", dest, problem, src)
             if _md5(src) != md5s[f]:
                 raise DataError(f"{src} does not match torchvision's md5 {md5s[f]}: the file is corrupt or not "
-                                f"the original {class_name} file")
-            tmp = cached / (f[:-3] + ".part")
-            with gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
-                shutil.copyfileobj(fin, fout)
-            os.replace(tmp, cached / f[:-3])  # atomic: a crash never leaves a half file under the real name
+                                f"the original {class_name} file; replace it (the data root is never written)")
+            try:
+                decompress_into_cache(src, dest)
+            except (OSError, EOFError) as e:
+                raise DataError(f"cannot decompress {src} into {dest}: {e}") from None
+        return cache_dir, False
+    if cache_fallback and all((cached / f[:-3]).is_file() for f in files):
+        for f in files:
+            dest = cached / f[:-3]
+            # copies made before records were written have none: their IDX header still shows a truncation
+            problem = (cache_entry_problem(dest) if record_path(dest).is_file() else None) or idx_problem(dest)
+            if problem:
+                raise DataError(f"cached {dest} {problem}, and no source {raw / f} to rebuild it from: delete it "
+                                f"(and {record_path(dest).name}), then point 'data-root' at the {class_name} files "
+                                "or set download=true")
         return cache_dir, False
     if download:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +221,11 @@ def _load_torchvision(class_name: str, train: bool, data_root: Path, cache_dir: 
     from torchvision import datasets
 
     root, dl = _prepare_root(class_name, data_root, cache_dir, download, cache_fallback)
-    ds = getattr(datasets, class_name)(str(root), train=train, download=dl)
+    try:
+        ds = getattr(datasets, class_name)(str(root), train=train, download=dl)
+    except (RuntimeError, ValueError, OSError, EOFError) as e:  # files checked above; this is the last line
+        raise DataError(f"cannot read {class_name} from {root / class_name / 'raw'} ({type(e).__name__}: {e}): "
+                        "a file there is damaged; replace it (or delete it if it is in the cache)") from None
     return ds.data, ds.targets  # uint8 (N, 28, 28), int64 (N,)
 
 
@@ -215,8 +245,9 @@ def read_cifar_batches(folder: Path, names: list[str]) -> tuple[torch.Tensor, to
                 entry = pickle.load(f, encoding="bytes")
             data = np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
             lab = np.asarray(entry.get(b"labels", entry.get(b"fine_labels")), dtype=np.int64)
-        except (OSError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as e:
-            raise DataError(f"cannot read CIFAR-10 batch {path}: {e}") from None
+        except (OSError, EOFError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as e:
+            raise DataError(f"cannot read CIFAR-10 batch {path} ({type(e).__name__}: {e}): it is truncated or not "
+                            "the original file; replace it (or delete it if it is in the cache)") from None
         images.append(data)
         labels.append(lab)
     return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
@@ -242,15 +273,19 @@ def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool,
 def read_celeba_attributes(path: Path) -> tuple[list[str], np.ndarray, list[str]]:
     """CelebA's list_attr_celeba.txt: (image names, (N, 40) int8 values in {0, 1}, attribute names).
     The first line (a count) is ignored; -1/1 map to 0/1 as in torchvision."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    header = lines[1].split()
-    names, values = [], []
-    for line in lines[2:]:
-        parts = line.split()
-        if len(parts) == len(header) + 1:
-            names.append(parts[0])
-            values.append([int(v) for v in parts[1:]])
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        header = lines[1].split()
+        names, values = [], []
+        for line in lines[2:]:
+            parts = line.split()
+            if len(parts) == len(header) + 1:
+                names.append(parts[0])
+                values.append([int(v) for v in parts[1:]])
+    except (IndexError, ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read CelebA attributes {path} ({type(e).__name__}: {e}): it is truncated or not "
+                        "the original list_attr_celeba.txt; replace it") from None
     return names, (np.asarray(values, dtype=np.int8) + 1) // 2, header
 
 
@@ -274,8 +309,14 @@ def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.n
     cached in cache_dir (the images are centre-cropped to 89x89, then resized to S x S, bilinear)."""
     cache = cache_dir / f"celeba_subset_{CELEBA_SIZE}.npz"
     if cache.is_file():
-        with np.load(cache) as z:
-            return z["x"], z["blond"], z["male"]
+        try:  # a zip checks the CRC of every member it reads: truncation and damage are caught here
+            with np.load(cache, allow_pickle=False) as z:
+                x, blond, male = z["x"], z["blond"], z["male"]
+            if x.shape[1:] != (3, CELEBA_SIZE, CELEBA_SIZE) or not len(x) == len(blond) == len(male):
+                raise ValueError(f"shapes {x.shape}, {blond.shape}, {male.shape} do not fit")
+            return x, blond, male
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            log.warning("cached %s is damaged (%s: %s): rebuilding it from %s", cache, type(e).__name__, e, root)
     from PIL import Image
 
     names, attrs, header = read_celeba_attributes(root / "list_attr_celeba.txt")
@@ -283,16 +324,20 @@ def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.n
     keep = [i for i, n in enumerate(names) if (folder / n).is_file()]
     images = np.zeros((len(keep), 3, CELEBA_SIZE, CELEBA_SIZE), dtype=np.uint8)
     for j, i in enumerate(keep):
-        with Image.open(folder / names[i]) as im:
-            im = im.convert("RGB")
-            w, h = im.size
-            top = (h - w) // 2
-            im = im.crop((0, top, w, top + w)).resize((CELEBA_SIZE, CELEBA_SIZE), Image.BILINEAR)
-            images[j] = np.asarray(im).transpose(2, 0, 1)
+        try:
+            with Image.open(folder / names[i]) as im:
+                im = im.convert("RGB")
+                w, h = im.size
+                top = (h - w) // 2
+                im = im.crop((0, top, w, top + w)).resize((CELEBA_SIZE, CELEBA_SIZE), Image.BILINEAR)
+                images[j] = np.asarray(im).transpose(2, 0, 1)
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read CelebA image {folder / names[i]} ({e}): replace it with the original "
+                            "file") from None
     blond = attrs[keep, header.index("Blond_Hair")].astype(np.int64)
     male = attrs[keep, header.index("Male")].astype(np.int64)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.name + ".part.npz")
+    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.part.npz")  # one per process: parallel builds never mix
     np.savez(tmp, x=images, blond=blond, male=male)
     os.replace(tmp, cache)
     return images, blond, male

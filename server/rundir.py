@@ -103,6 +103,8 @@ def check_out_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> 
             raise ConfigError(f"out-dir {p}: nothing to resume ({missing} is missing); run without resume to "
                               "start a new run")
         rd.verify_checkpoint()
+        if rd.events.is_file():
+            rd.read_events(warn=False)  # a damaged line is refused now, before any work
         return
     if p.is_dir() and not overwrite:
         entries = sorted(e.name for e in p.iterdir())
@@ -181,9 +183,10 @@ class RunDir:
                 if e["iteration"] < upto_iteration or e.get("phase") == "setup"]
         atomic_write_bytes(self.events, ("\n".join(keep) + ("\n" if keep else "")).encode())
 
-    def read_events(self) -> list[dict]:
+    def read_events(self, warn: bool = True) -> list[dict]:
         """The events of events.jsonl, in order. A torn last line (no newline: an append cut short by a
-        crash) is ignored with a warning; any other unreadable line raises RunFileError naming the line."""
+        crash) is ignored, with a warning if ``warn``; any other unreadable line raises RunFileError naming
+        the line."""
         text = self.events.read_bytes().decode("utf-8", errors="replace")
         lines = text.split("\n")
         events = []
@@ -196,8 +199,9 @@ class RunDir:
                     raise ValueError("not an event object")
             except ValueError as e:
                 if number == len(lines):  # the last line has no newline: an interrupted append
-                    log.warning("%s: ignoring its torn last line %d (an append cut short): %.60r", self.events,
-                                number, line)
+                    if warn:
+                        log.warning("%s: ignoring its torn last line %d (an append cut short): %.60r",
+                                    self.events, number, line)
                     continue
                 raise RunFileError(f"{self.events} line {number} is not a dpdro event ({e}): the file was edited "
                                    "or damaged; restore it, or start the run again in a new out-dir") from None

@@ -286,3 +286,225 @@ def test_flower_paths_pin_auto_to_where_the_data_are(tmp_path, monkeypatch):
         pin_data_paths(explicit)
     source = write_mnist(tmp_path / "src", gz=False)
     assert pin_data_paths(cfg.with_updates({"data-root": str(source)})).data_root == str(source.resolve())
+
+
+# ---- item 9: corrupt or hand-edited files: one clear line naming the file, nothing overwritten ----
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A run stopped in iteration 3 of 4 (checkpoint after iteration 2), as a crash leaves it."""
+    class Stop(Exception):
+        pass
+
+    class StopsAt3(LocalTransport):
+        def run(self, queries, versions):
+            if queries[0].iteration >= 3:
+                raise Stop
+            return super().run(queries, versions)
+
+    cfg = tiny_cfg(tmp_path / "stopped", iterations=4, eval_every=1)
+    with pytest.raises(Stop):
+        train(cfg, StopsAt3(cfg, tiny_data()), tiny_data())
+    return cfg
+
+
+def one_line_error(capsys, *parts):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpdro: error:") and "\n" not in err and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, (part, err)
+    return err
+
+
+def test_truncated_checkpoint_is_one_clear_line(stopped_run, capsys):
+    rd = RunDir(stopped_run.out_dir)
+    rd.checkpoint.write_bytes(rd.checkpoint.read_bytes()[:-200])
+    before = snapshot(rd.path)
+    assert cli("train", "--resume", str(rd.path)) == 2
+    one_line_error(capsys, str(rd.checkpoint), "--overwrite")
+    assert snapshot(rd.path) == before
+    with pytest.raises(rundir.RunFileError, match="state.npz"):
+        run_tiny(stopped_run, resume=True)
+
+
+def test_checkpoint_without_meta_is_one_clear_line(stopped_run, capsys):
+    rd = RunDir(stopped_run.out_dir)
+    np.savez(rd.checkpoint, x=np.zeros(3))  # a valid zip, but not ours
+    assert cli("train", "--resume", str(rd.path)) == 2
+    one_line_error(capsys, str(rd.checkpoint))
+
+
+@pytest.mark.parametrize("text, says", [("{\"epsilon\": 4.0, \"seed\"", "not valid JSON"),
+                                        ("[1, 2]", "not a JSON object"),
+                                        ("{\"epsilon\": \"lots\"}", "epsilon")])
+def test_invalid_config_json_is_one_clear_line(stopped_run, capsys, text, says):
+    rd = RunDir(stopped_run.out_dir)
+    rd.config.write_text(text)
+    before = snapshot(rd.path)
+    assert cli("train", "--resume", str(rd.path)) == 2
+    one_line_error(capsys, str(rd.config), says)
+    assert snapshot(rd.path) == before
+
+
+def test_torn_last_event_line_is_ignored_with_a_warning(stopped_run, tmp_path, caplog):
+    import logging
+
+    rd = RunDir(stopped_run.out_dir)
+    kept = rd.events.read_text()
+    with open(rd.events, "a") as f:
+        f.write('{"iteration": 3, "mechanism": "gra')  # an append cut short by the crash
+    with caplog.at_level(logging.WARNING, logger="dpdro"):
+        resumed = run_tiny(stopped_run, resume=True)
+    assert "torn last line" in caplog.text and str(rd.events) in caplog.text
+    full = run_tiny(tiny_cfg(tmp_path / "full", iterations=4, eval_every=1))
+    assert np.array_equal(resumed.params, full.params)
+    events = [json.loads(line) for line in rd.events.read_text().splitlines()]
+    full_events = [json.loads(line) for line in (tmp_path / "full" / "events.jsonl").read_text().splitlines()]
+    assert [(e["iteration"], e["mechanism"]) for e in events] == [(e["iteration"], e["mechanism"])
+                                                                   for e in full_events]
+    assert rd.events.read_text().startswith(kept)
+
+
+def test_damaged_event_line_inside_the_file_is_one_clear_line(stopped_run, capsys):
+    rd = RunDir(stopped_run.out_dir)
+    lines = rd.events.read_text().splitlines()
+    rd.events.write_text("\n".join(["{oops"] + lines[1:]) + "\n")
+    before = snapshot(rd.path)
+    assert cli("train", "--resume", str(rd.path)) == 2
+    one_line_error(capsys, str(rd.events), "line 1")
+    assert snapshot(rd.path) == before
+
+
+def mnist_gz_source(tmp_path, monkeypatch):
+    """Synthetic .gz MNIST source files, with torchvision's md5 list pointed at them."""
+    import hashlib
+
+    from torchvision import datasets
+
+    root = write_mnist(tmp_path / "src", gz=True)
+    raw = root / "MNIST" / "raw"
+    monkeypatch.setattr(datasets.MNIST, "resources", [
+        (f"https://example.invalid/{name}.gz", hashlib.md5((raw / f"{name}.gz").read_bytes()).hexdigest())
+        for name in MNIST_FILES])
+    return root
+
+
+def test_truncated_extracted_file_in_data_root_names_it(tmp_path):
+    from dpdro.common.data import DataError, load_dataset
+
+    root = write_mnist(tmp_path / "root")
+    damaged = root / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    with pytest.raises(DataError, match="truncated or damaged") as e:
+        load_dataset("mnist", True, data_root=str(root), cache_dir=str(tmp_path / "cache"))
+    assert str(damaged) in str(e.value) and "replace it" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-record"])
+def test_damaged_cache_entry_is_rebuilt_from_intact_source(tmp_path, monkeypatch, caplog, damage):
+    import logging
+
+    from dpdro.common.cache_files import record_path
+    from dpdro.common.data import load_dataset
+
+    root, cache = mnist_gz_source(tmp_path, monkeypatch), tmp_path / "cache"
+    first = load_dataset("mnist", True, data_root=str(root), cache_dir=str(cache))
+    entry = cache / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    assert record_path(entry).is_file()
+    data = entry.read_bytes()
+    if damage == "truncate":
+        entry.write_bytes(data[:-100])
+    elif damage == "flip":  # same size, other content: found by the checksum
+        entry.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    else:  # a copy made before records existed: rebuilt once, from the source
+        record_path(entry).unlink()
+    with caplog.at_level(logging.INFO, logger="dpdro"):
+        again = load_dataset("mnist", True, data_root=str(root), cache_dir=str(cache))
+    assert "rebuilding it from" in caplog.text and str(entry) in caplog.text
+    assert {r.levelname for r in caplog.records if "rebuilding" in r.getMessage()} == {
+        "INFO" if damage == "no-record" else "WARNING"}
+    assert torch.equal(again.x, first.x) and torch.equal(again.y, first.y)
+    assert entry.read_bytes() == data and record_path(entry).is_file()
+    assert not list(entry.parent.glob("*.part"))
+
+
+def test_damaged_cache_entry_without_source_names_it(tmp_path, monkeypatch):
+    from dpdro.common.data import DataError, load_dataset
+
+    cache = write_mnist(tmp_path / "cache")  # extracted copies only (e.g. from an earlier download)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("DPDRO_DATA_ROOT", str(tmp_path / "empty"))
+    monkeypatch.setenv("DPDRO_CACHE_DIR", str(cache))
+    entry = cache / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    entry.write_bytes(entry.read_bytes()[:-3])
+    before = snapshot(cache)
+    with pytest.raises(DataError, match="delete it") as e:
+        load_dataset("mnist", False)
+    assert str(entry) in str(e.value)
+    assert snapshot(cache) == before
+
+
+def test_a_damaged_cache_does_not_break_a_run_whose_data_root_is_intact(tmp_path, monkeypatch):
+    """The cached copy is rebuilt even when an old copy (no record) is truncated."""
+    from dpdro.common.data import load_dataset
+
+    root, cache = mnist_gz_source(tmp_path, monkeypatch), tmp_path / "cache"
+    write_mnist(cache)
+    entry = cache / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    entry.write_bytes(entry.read_bytes()[:-5])
+    assert len(load_dataset("mnist", True, data_root=str(root), cache_dir=str(cache))) == 30
+
+
+def test_truncated_cifar_batch_names_it(tmp_path):
+    from dpdro.common.data import CIFAR_DIR, DataError, load_dataset
+
+    folder = tmp_path / "root" / CIFAR_DIR
+    folder.mkdir(parents=True)
+    (folder / "test_batch").write_bytes(b"")
+    with pytest.raises(DataError, match="test_batch"):
+        load_dataset("cifar10", False, data_root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c"))
+
+
+def write_celeba_subset(root, n=16):
+    from PIL import Image
+
+    from dpdro.common.data import CELEBA_SUBSET_DIR
+
+    folder = root / "celeba" / CELEBA_SUBSET_DIR
+    folder.mkdir(parents=True)
+    attrs = ["Blond_Hair", "Male"]
+    lines = [str(n), " ".join(attrs)]
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        name = f"{i:06d}.jpg"
+        Image.fromarray(rng.integers(0, 256, (109, 89, 3), dtype=np.uint8)).save(folder / name)
+        lines.append(f"{name} {1 if i % 2 else -1} {1 if i % 4 < 2 else -1}")
+    (root / "celeba" / "list_attr_celeba.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_damaged_celeba_cache_is_rebuilt(tmp_path, caplog):
+    import logging
+
+    from dpdro.common.data import CELEBA_SIZE, load_dataset
+
+    root, cache = write_celeba_subset(tmp_path / "root"), tmp_path / "cache"
+    first = load_dataset("celeba", "train", data_root=str(root), cache_dir=str(cache))
+    entry = cache / f"celeba_subset_{CELEBA_SIZE}.npz"
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="dpdro"):
+        again = load_dataset("celeba", "train", data_root=str(root), cache_dir=str(cache))
+    assert "rebuilding it" in caplog.text and torch.equal(again.x, first.x)
+
+
+def test_truncated_shard_cache_is_rebuilt(tmp_path, monkeypatch):
+    from dpdro.client.flower.app import _load_shard, shard_cache_path
+
+    root = write_mnist(tmp_path / "root")
+    cfg = Config.from_mapping({"dataset": "mnist", "data-root": str(root), "cache-dir": str(tmp_path / "cache"),
+                               "num-clients": 2})
+    first = _load_shard(cfg, 0)
+    path = shard_cache_path(cfg, 0)
+    path.write_bytes(path.read_bytes()[:100])
+    again = _load_shard(cfg, 0)
+    assert torch.equal(again.x, first.x) and len(again) == len(first) > 0

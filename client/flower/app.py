@@ -73,6 +73,7 @@ def _load_shard(cfg: Config, pid: int):
     """The node's shard (ArrayDataset): from its local cache file when present, else built from the data
     set and partition and written to that file atomically (a failed write only costs the cache)."""
     import os
+    import zipfile
 
     import numpy as np
     import torch
@@ -87,7 +88,7 @@ def _load_shard(cfg: Config, pid: int):
                 groups = torch.from_numpy(z["groups"]) if int(z["num_groups"]) else None
                 return ArrayDataset(torch.from_numpy(z["x"]), torch.from_numpy(z["y"]), int(z["num_classes"]),
                                     str(z["name"]), groups, int(z["num_groups"]))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:  # truncated: not a zip
             log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
     train = load_from_config(cfg, train=True)
     shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
@@ -106,6 +107,8 @@ def _load_shard(cfg: Config, pid: int):
 
 def _num_records(cfg: Config, pid: int) -> int:
     """Shard size without importing torch when the cache file exists (the 'hello' message)."""
+    import zipfile
+
     import numpy as np
 
     key = (_run_key(cfg), pid)
@@ -115,7 +118,7 @@ def _num_records(cfg: Config, pid: int) -> int:
             try:
                 with np.load(path, allow_pickle=False) as z:
                     return int(z["y"].shape[0])
-            except (OSError, ValueError, KeyError):
+            except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile):
                 pass
     return _worker(cfg, pid).num_records
 

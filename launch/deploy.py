@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .certs import CertSet, create_certificates
-from .processes import alive, descendants, listener_pids, stop_on_signals, stop_tree
+from .processes import STOP_GRACE, alive, descendants, listener_pids, stop_on_signals, stop_tree
 
 __all__ = ["CONNECTION", "DeploymentError", "LoopbackDeployment", "RunOutcome", "alive", "deploy_config",
            "descendants", "free_ports", "override_string", "port_free"]
@@ -386,7 +386,7 @@ class LoopbackDeployment:
             out += [pid for pid in [p.popen.pid, *sorted(p.known)] if alive(pid)]
         return out
 
-    def stop(self, grace: float = 10.0) -> list[int]:
+    def stop(self, grace: float = STOP_GRACE) -> list[int]:
         """Stop every process this deployment started, by PID: the whole tree (each process, its process
         group and every descendant, listed before the first signal) gets SIGTERM, then SIGKILL what is left
         after ``grace`` seconds. Returns the PIDs still alive afterwards (empty when all stopped)."""

@@ -14,7 +14,7 @@ import torch
 
 from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
-from ..common.messages import Query, Reply
+from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.models import make_model, resolve_model
 from ..common.per_sample import FlatModel, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
@@ -105,7 +105,7 @@ class ShardWorker:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
             out = out + rng.normal(0.0, query.noise_std, size=out.shape)
-            count = -1
+            count = UNDISCLOSED
         if fault == "nan":
             out[:] = np.nan
         return Reply(query.qid, self.partition, out, count)

@@ -92,16 +92,23 @@ class Query:
 # The declared dtype of a reply's total on every transport (the server rejects any other, float16 included:
 # a narrower float would lose the precision the server's norm check and the release rely on).
 REPLY_DTYPE = np.dtype(np.float64)
+SECURE_SUM = -1  # Reply.partition of a securely aggregated reply (SecAgg+: the sum of several clients' replies)
+UNDISCLOSED = -1  # Reply.count of a client that noised its sum (the server is not trusted with the count)
 
 
 @dataclass(frozen=True)
 class Reply:
     """A client's answer to a query: ``total`` (D,) float64 sum of clipped vectors over ``count`` sampled
-    records of partition ``partition`` (count -1: not disclosed, when the client noised its sum). A securely
-    aggregated reply (SecAgg+) has partition -1 and sums the replies of ``clients`` clients."""
+    records of partition ``partition`` (count ``UNDISCLOSED`` when the client noised its sum). A securely
+    aggregated reply (SecAgg+) has partition ``SECURE_SUM`` and sums the replies of ``clients`` clients."""
 
     qid: str
     partition: int
     total: np.ndarray
     count: int
     clients: int = 1
+
+    @property
+    def securely_aggregated(self) -> bool:
+        """Whether this reply is a SecAgg+ sum of several clients' replies (partition ``SECURE_SUM``)."""
+        return self.partition == SECURE_SUM

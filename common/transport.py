@@ -44,5 +44,10 @@ class Transport(Protocol):
         """Replies of every client to each query, and the clients that failed (never raises for a client's
         own error; a deadline bounds every wait)."""
 
+    def quantisation_bound(self, query: Query, clients: int) -> float | None:
+        """Largest rounding error per coordinate of the last securely aggregated sum of ``clients`` clients for
+        ``query`` (SecAgg+ quantises each client's noised sum), or None when the last round was not securely
+        aggregated (``LocalTransport``: always None)."""
+
     def close(self) -> None:
         """Release resources."""

@@ -393,11 +393,27 @@ class Ledger:
             return math.inf
         return epsilon_of(self._counts(), self.delta, self.accountant)
 
+    def record(self, rate: float, noise_multiplier: float) -> None:
+        """Record one release at (rate, noise multiplier) without any guard: for a ledger that counts what someone
+        has already seen (the server's own view in distributed and local noise modes, where z may be 0)."""
+        self.extra[(rate, noise_multiplier)] += 1
+
     def state(self) -> dict:
         """JSON-serialisable record of what was spent (for checkpoints)."""
-        return {"spent": dict(self.spent), "extra": [[r, z, n] for (r, z), n in self.extra.items()]}
+        return {"spent": dict(self.spent), "extra": counts_to_json(self.extra)}
 
     def load_state(self, state: Mapping) -> None:
         """Restore what ``state`` recorded (resuming from a checkpoint)."""
         self.spent = Counter({k: int(v) for k, v in state["spent"].items()})
-        self.extra = Counter({(float(r), float(z)): int(n) for r, z, n in state["extra"]})
+        self.extra = counts_from_json(state["extra"])
+
+
+def counts_to_json(counts: Mapping[tuple[float, float], int]) -> list:
+    """(rate, noise multiplier) -> releases as JSON: [[rate, z, count], ...], a non-finite z as the string "inf"
+    (JSON has no infinity). Inverse: ``counts_from_json``."""
+    return [[r, z if math.isfinite(z) else "inf", n] for (r, z), n in counts.items()]
+
+
+def counts_from_json(items: list) -> Counter:
+    """The Counter that ``counts_to_json`` wrote."""
+    return Counter({(float(r), float(z)): int(n) for r, z, n in items})

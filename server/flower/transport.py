@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 
 from ...common.codec import encode_config
 from ...common.flower.wire import HELLO, RELEASE, pack_queries, unpack_replies
-from ...common.messages import Query, Reply
+from ...common.messages import SECURE_SUM, UNDISCLOSED, Query, Reply
 from ...common.transport import ClientFailure, RoundResult
 from .secagg import SecAggRange, SecureRound
 
@@ -158,7 +158,7 @@ class FlowerTransport:
             return RoundResult({q.qid: [] for q in queries}, {pid: str(e) for pid in self.node_of})
         for nid in contents:
             self.held[nid] = set() if nid in dropped else (self.held[nid] | needed) & set(versions)
-        replies = {q.qid: [Reply(q.qid, -1, sums[q.qid], -1, k)] for q in queries}
+        replies = {q.qid: [Reply(q.qid, SECURE_SUM, sums[q.qid], UNDISCLOSED, k)] for q in queries}
         return RoundResult(replies, {partition_of[nid]: f"node {nid} dropped out of SecAgg+" for nid in dropped})
 
     def close(self) -> None:

@@ -1,0 +1,148 @@
+"""The releases of a run: decorate each query, collect the clients' replies under the failure policy, charge the
+ledger, add the server's noise and record the event (``Releaser``); the engine's training loop and the setup
+stage both release through it. The privacy contract of a release: docs/ALGORITHMS.md 5.2-5.3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..common.config import Config
+from ..common.messages import Query, Reply
+from ..common.rng import site_rng
+from ..common.transport import ClientFailure, Transport
+from .diagnostics import NoiseMonitor
+from .ledger import Ledger
+from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
+from .rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
+                  versions: dict[int, np.ndarray],
+                  on_discard: Callable[[Query, list[Reply]], None] | None = None) -> dict[str, list[Reply]]:
+    """Run ``queries`` on every client and return the valid replies, applying the failure policy.
+
+    A client fails when it raises, times out or sends a malformed reply (``release.check_reply``); all its
+    replies of the round are then discarded and it is logged by partition. Policy (config
+    ``on-client-failure``): 'fail' raises ClientFailure at once; 'retry' repeats the round (attempt k) up to
+    ``max-retries`` times; 'drop' goes on without the failed clients if at least ``min-clients`` remain,
+    else retries like 'retry'. Nothing is released or charged for a discarded attempt; ``on_discard(query,
+    replies)`` is called with the valid replies of every discarded attempt (in distributed and local noise
+    modes the server has seen those noised values, which counts against the server).
+
+    A retry never depends on record values: an honest client's reply always passes ``check_reply`` (clipping
+    never overshoots its bound and the check allows the rounding of the working dtype), so only transport
+    failures, timeouts, a client's own error or a faulty client discard an attempt.
+    """
+    for attempt in range(cfg.max_retries + 1):
+        tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
+        result = transport.run(tries, versions)
+        failures = dict(result.failures)
+        for q in tries:
+            _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
+            failures.update(rejected)
+        if not failures:
+            return result.replies
+        for pid, reason in sorted(failures.items()):
+            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, attempt, pid, reason)
+        valid = {qid: [r for r in rs if r.partition not in failures] for qid, rs in result.replies.items()}
+        remaining = transport.num_clients - len(failures)
+        if cfg.on_client_failure == "drop" and remaining >= cfg.min_clients:
+            log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
+            return valid
+        if on_discard is not None:
+            for q in tries:
+                if valid[q.qid]:
+                    on_discard(q, valid[q.qid])
+        if cfg.on_client_failure == "fail":
+            break
+    summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
+    raise ClientFailure(f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)}) failed "
+                        f"after {attempt + 1} attempt(s) with on-client-failure={cfg.on_client_failure}: {summary}")
+
+
+class Releaser:
+    """Executes the releases of a run: decorates each query (logit offset, clipped-count coordinate, client
+    noise share), collects the replies under the failure policy, charges the ledger, adds the server's
+    noise, normalises and records the event. One instance per run; shared by the setup and training stages.
+
+    ``server_ledger`` is a second ``Ledger`` that records every release as the server itself saw it, at the
+    multiplier ``release.server_view_multiplier`` (the guarantee against the server in distributed and local noise
+    modes; in central mode the server saw unnoised sums: multiplier 0, epsilon inf). It guards nothing.
+    """
+
+    def __init__(self, cfg: Config, transport: Transport, ledger: Ledger, n: int, rd: RunDir) -> None:
+        self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
+        self.offset: tuple[float, ...] = ()
+        self.monitor = NoiseMonitor()
+        self.server_ledger = Ledger({}, {}, ledger.epsilon, ledger.delta, ledger.accountant)
+        self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
+
+    def decorate(self, q: Query, *, diagnostics: bool = True) -> Query:
+        """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
+        the noise std each client adds in this noise mode."""
+        cfg = self.cfg
+        count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
+        q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
+        z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
+        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.transport.num_clients)
+        return dataclasses.replace(q, noise_std=share)
+
+    def run(self, raw: Sequence[Query], versions: dict[int, np.ndarray], *, setup: bool = False
+            ) -> dict[str, np.ndarray]:
+        """Release every query of one round; returns mechanism -> released mean (D,) float64."""
+        queries = [self.decorate(q, diagnostics=not setup) for q in raw]
+        for q in queries:  # refuse before anything leaves a client if the plan would be overspent
+            self.ledger.check(q.mechanism, q.rate)
+        replies = collect_round(self.cfg, self.transport, queries, versions, self._seen_by_server)
+        m = self.transport.num_clients
+        released, events = {}, []
+        for q in queries:
+            got = replies[q.qid]
+            total, clients = aggregate(q, got), sum(r.clients for r in got)
+            self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
+            z = self.ledger.noise_multiplier(q.mechanism)
+            mode = self.cfg.noise_mode
+            self._seen_by_server(q, got)
+            rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
+            std = server_noise_std(mode, z, q.sensitivity, m, clients)
+            mean = noisy_mean(q, total, std, self.n, rng)
+            expected = q.rate * self.n
+            event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
+                     "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
+                     "noise_std_of_mean": z * q.sensitivity / expected}
+            if mode != "central" and z > 0:
+                event["server_topup_std"] = std
+                bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
+                if bound is not None:
+                    event["quantisation_bound"] = bound
+                    self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * q.sensitivity))
+            if setup:
+                event["phase"] = "setup"
+            if q.count_scale > 0:
+                event["clipped_fraction"] = float(mean[-1] / (q.count_scale * q.clip))
+                mean = mean[:-1]
+            released[q.mechanism] = mean
+            events.append(self.monitor.observe(event))
+        self.rd.append_events(events)
+        return released
+
+    def _seen_by_server(self, q: Query, replies: list[Reply]) -> None:
+        """Count a set of replies the server has seen (released or discarded) against the server."""
+        if not replies:
+            return
+        z = self.ledger.noise_multiplier(q.mechanism) if self.cfg.private else 0.0
+        clients = sum(r.clients for r in replies)
+        self.server_ledger.record(q.rate, server_view_multiplier(self.cfg.noise_mode, z, self.transport.num_clients,
+                                                                 clients))
+
+    def epsilon_against_server(self) -> float:
+        """Epsilon against the server itself of every release so far (inf in central mode and when not private)."""
+        return self.server_ledger.epsilon_spent()

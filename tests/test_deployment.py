@@ -287,7 +287,7 @@ def test_dockerfile_is_superexec_based_with_cpu_default_and_cuda_arg():
     assert "${TORCH_INDEX_URL}" in text
     assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in text
     # the image must carry every package the app imports
-    for folder in ("dpdro", "common", "server", "client"):
+    for folder in ("dpdro", "common", "server", "client", "launch"):  # launch: the fleet-gateway service
         assert re.search(rf"^COPY .*\b{folder}\b", text, re.M), folder
     # torch pin agrees with pyproject.toml
     pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)

@@ -88,6 +88,8 @@ class DatasetSpec:
     long_tailed: the training split is made long-tailed by the '-ST' rule (config key imbalance-ratio).
     own_validation: the data set has its own validation split (config validation-fraction must stay 0).
     default_model: the model config key model='auto' picks (a name in ``common.models.MODELS``).
+    keys: config keys the data set reads beyond those every data set reads (data-root, cache-dir, download,
+    max-*-records, validation-fraction, split-seed); all of role 'data' (tests/test_registries.py).
     """
 
     load: Loader
@@ -96,6 +98,7 @@ class DatasetSpec:
     long_tailed: bool = False
     own_validation: bool = False
     num_groups: int = 0
+    keys: tuple[str, ...] = ()
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset")
@@ -453,9 +456,11 @@ def _cifar10_loader(split, data_root, cache_dir, download, split_seed):
 
 # ---- the built-in data sets ('-st': long-tailed, ALGORITHMS.md 6.2) ----
 for _name, _class, _model in (("mnist", "MNIST", "cnn"), ("fashion-mnist", "FashionMNIST", "cnn")):
-    register_dataset(f"{_name}-st", DatasetSpec(_torchvision_loader(_class), 10, _model, long_tailed=True))
+    register_dataset(f"{_name}-st", DatasetSpec(_torchvision_loader(_class), 10, _model, long_tailed=True,
+                                                          keys=("imbalance-ratio",)))
     register_dataset(_name, DatasetSpec(_torchvision_loader(_class), 10, _model))
-register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "resnet20", long_tailed=True))
+register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "resnet20", long_tailed=True,
+                                           keys=("imbalance-ratio",)))
 register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
 

@@ -41,6 +41,8 @@ def test_specs_name_only_registered_keys_quantities_and_models():
                 Config.from_mapping({"algorithm": name, key: v})
     for name, spec in DATASETS.items():
         assert spec.default_model in MODELS, name
+        assert all(FIELD_BY_KEY[k].role == "data" for k in spec.keys), name
+        assert ("imbalance-ratio" in spec.keys) == spec.long_tailed, name
 
 
 @pytest.mark.parametrize("name", list(ALGORITHM_SPECS))

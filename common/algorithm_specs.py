@@ -66,7 +66,7 @@ _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-sourc
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
-          "eta-noise-ratio", "output-iterate", "dro-clip", "loss-bound", *_DUAL),
+          "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta"), uses_eta=True, dro=True,
     space={"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": (0.5, 1.0, 2.0),
            "dro-clip": ("product", "weight-after-clip"), "logit-adjust-tau": _TAU},

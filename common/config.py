@@ -225,6 +225,16 @@ FIELDS: tuple[Field, ...] = (
           "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
           "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
           "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
+    Field("eta-clip-rule", "str", "fixed", "Clip of dp-double-spider's eta-refresh: 'fixed' clips G (1 - w) at "
+          "clip-eta (biased where weights exceed 1 + clip-eta / G: fatal for kl); 'weight-bound' computes w from "
+          "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
+          "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
+          choices=("fixed", "weight-bound"), role="algorithm"),
+    Field("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
+          "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
+          "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
+          "eta clip is G max(1, min(W, W_cap) - 1) (ALGORITHMS.md 3.1). inf: no cap.", low=1.0, low_open=True,
+          high=1e6, allow_inf=True, role="algorithm"),
     # class-prior correction for long-tailed data (Menon et al. 2021)
     Field("logit-adjust-tau", "float", AUTO, "tau of the logit-adjusted loss CE(f(x) + tau log pi, y) used by "
           "every per-record loss (0: plain cross-entropy). 'auto': 1 for dp-sgd-la, 0 otherwise.", low=0.0,

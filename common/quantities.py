@@ -9,12 +9,13 @@ then clips. Formulas: ALGORITHMS.md 1.2 (psi-divergence dual), 2.4 (shifted KL c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from .dro import dro_weight, dual_eta_grad
+from .dro import dro_weight
 from .per_sample import FlatModel, clip_rows
 from .psi import Psi, make_psi
 from .registry import Registry
@@ -31,14 +32,16 @@ class Problem:
     eta_scale: float
     loss_bound: float = 10.0
     u_scale: float = 1.0
-    clamp_weights: bool = False  # DRO weights of min(l, B) (dro-clip=weight-after-clip)
+    clamp_weights: bool = False  # DRO weights of min(l, B) (dro-clip=weight-after-clip, eta-clip-rule=weight-bound)
+    weight_cap: float = math.inf  # public cap W_cap of every DRO weight (config weight-cap)
     offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
 
     @classmethod
     def from_config(cls, cfg) -> Problem:
         """The problem constants of a run's Config."""
+        clamp = cfg.dro_clip == "weight-after-clip" or cfg.eta_clip_rule == "weight-bound"
         return cls(psi=make_psi(cfg.psi, cfg.cvar_alpha), lam=cfg.lambda_, eta_scale=cfg.eta_scale,
-                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=cfg.dro_clip == "weight-after-clip")
+                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=clamp, weight_cap=cfg.weight_cap)
 
     def with_offset(self, offset: Sequence[float], dtype: torch.dtype, device: torch.device) -> Problem:
         """This problem with the logit offset of a query (empty: the plain cross-entropy)."""
@@ -60,46 +63,65 @@ def register_quantity(name: str):
     return QUANTITIES.register(name)
 
 
+def record_weights(losses: torch.Tensor, eta: float, problem: Problem) -> torch.Tensor:
+    """The DRO weight of each record as both blocks of dp-double-spider use it, (B,) from losses (B,):
+    psi*'((l' - G eta) / lambda) with l' = min(l, B) when ``problem.clamp_weights`` (else l), then capped at
+    ``problem.weight_cap``. Capping psi*' at W_cap is the psi-divergence with likelihood ratios n p_i <= W_cap
+    (psi restricted to [0, W_cap]): a DRO problem of its own, whose dual optimum eta is where the mean capped
+    weight is 1 (it exists for W_cap > 1)."""
+    if problem.clamp_weights:
+        losses = torch.clamp(losses, max=problem.loss_bound)
+    w = dro_weight(losses, eta, problem.psi, problem.lam, problem.eta_scale)
+    return torch.clamp(w, max=problem.weight_cap) if math.isfinite(problem.weight_cap) else w
+
+
 @register_quantity("dual-eta")
 def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
-    """d_eta L(x, eta; xi) = G (1 - psi*'(s)) per record, shape (B, 1). ``eta`` is the point's scalar.
-    With ``problem.clamp_weights`` the loss is clamped at the public bound B first, as in
-    ``dual_x_weight_after_clip`` (so both blocks see the same weights)."""
+    """d_eta L(x, eta; xi) = G (1 - w) per record, shape (B, 1), w = ``record_weights`` (psi*'(s), of the loss
+    clamped at B and capped as the problem says, so both blocks see the same weights). ``eta`` is the point's
+    scalar.
+
+    Range: 0 <= w <= W (``dro_weight_bound``) when the loss is clamped or the weight capped, so
+    |G (1 - w)| <= G max(1, W - 1): a clip at that bound (config eta-clip-rule=weight-bound) clips nothing and
+    the eta-refresh's sensitivity is G max(1, W - 1)."""
     with torch.no_grad():
         losses = model.losses(flat, x, y, problem.offset)
-        if problem.clamp_weights:
-            losses = torch.clamp(losses, max=problem.loss_bound)
-    return dual_eta_grad(losses, eta, problem.psi, problem.lam, problem.eta_scale).unsqueeze(1)
+        w = record_weights(losses, eta, problem)
+    return (problem.eta_scale * (1.0 - w)).unsqueeze(1)
 
 
 @register_quantity("dual-x")
 def dual_x(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
-    """grad_x L(x, eta; xi) = psi*'(s) grad_x l(x; xi) per record, shape (B, d)."""
+    """grad_x L(x, eta; xi) = w grad_x l(x; xi) per record, shape (B, d), w = ``record_weights`` (psi*'(s) when
+    the problem neither clamps nor caps)."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
-    w = dro_weight(losses.detach(), eta, problem.psi, problem.lam, problem.eta_scale)
+    w = record_weights(losses.detach(), eta, problem)
     return grads * w.unsqueeze(1)
 
 
-def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bound: float) -> float:
-    """W = psi*'((B - G eta) / lambda): the largest DRO weight a record with loss clamped at the public bound B
-    can get (psi*' is non-decreasing). Public: B is a constant and eta a released iterate."""
-    return float(psi.weight(torch.tensor([(loss_bound - eta_scale * eta) / lam], dtype=torch.float64))[0])
+def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bound: float,
+                     weight_cap: float = math.inf) -> float:
+    """W = min(psi*'((B - G eta) / lambda), W_cap): the largest DRO weight a record with loss clamped at the
+    public bound B can get (psi*' is non-decreasing), capped at the public W_cap (inf: no cap). Public: B and
+    W_cap are constants and eta a released iterate."""
+    w = float(psi.weight(torch.tensor([(loss_bound - eta_scale * eta) / lam], dtype=torch.float64))[0])
+    return min(w, weight_cap)
 
 
 @register_quantity("dual-x-wac")
 def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     """DRO weights that survive clipping (ALGORITHMS.md 5.4): w~ clip_C(grad_x l) per record, shape (B, d),
-    with C = extra[0] the clip of the loss gradient and w~ = psi*'((min(l, B) - G eta) / lambda) the weight
-    of the loss clamped at the public bound B.
+    with C = extra[0] the clip of the loss gradient and w~ = min(psi*'((min(l, B) - G eta) / lambda), W_cap)
+    the weight of the loss clamped at the public bound B, capped at the public W_cap (config weight-cap; inf:
+    no cap).
 
-    Sensitivity: 0 <= w~ <= W = ``dro_weight_bound`` (psi*' is non-decreasing), so every record's vector
-    has norm <= C W. A refresh release clips at C W (a no-op kept as a guard) and adds noise z C W; the
+    Sensitivity: 0 <= w~ <= W = ``dro_weight_bound`` (psi*' is non-decreasing; W <= W_cap), so every record's
+    vector has norm <= C W. A refresh release clips at C W (a no-op kept as a guard) and adds noise z C W; the
     product form clip_C(w grad l) would instead clip high- and low-weight records to the same norm and
     erase the re-weighting. Clamping the loss at B makes the weight constant in l beyond B (part of the
     model, like the KL terms of Algorithm 3)."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
-    w = dro_weight(torch.clamp(losses.detach(), max=problem.loss_bound), eta, problem.psi, problem.lam,
-                   problem.eta_scale)
+    w = record_weights(losses.detach(), eta, replace(problem, clamp_weights=True))
     return clip_rows(grads, float(extra[0])) * w.unsqueeze(1)
 
 

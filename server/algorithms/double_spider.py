@@ -28,6 +28,18 @@ w~ clip_C(grad l), w~ the weight of the loss clamped at the public bound B: the 
 refresh clips at (and adds noise for) the sensitivity C W_t, W_t = psi*'((B - G eta_{t+1}) / lambda) the public
 bound of w~ at the released eta_{t+1}; its differences keep the clip C_t; the eta block uses the same clamped
 weights.
+
+eta-clip-rule=weight-bound (ALGORITHMS.md 3.1): the fixed clip C_eta of G (1 - w) biases eta wherever some
+weight exceeds 1 + C_eta / G (the high-loss records' pull on eta is cut, eta sinks, every weight grows: for kl,
+lambda 1 the fixed point was eta 0.056 against the dual optimum 3.97). Instead the weights are those of
+min(l, B) (capped at weight-cap), so 0 <= w <= W_t = min(psi*'((B - G eta_t) / lambda), W_cap), and the
+eta-refresh clips at its public range bound C_eta,t = G max(1, W_t - 1): it clips nothing, its sensitivity is
+C_eta,t, and with noise 0 and the full batch eta's fixed point is the exact dual optimum of the clamped
+(capped) losses. The x block then uses the same weights.
+
+weight-cap = W_cap < inf: every weight is min(w, W_cap) in both blocks (the divergence with likelihood ratios
+<= W_cap). With weight-after-clip the x-refresh's sensitivity becomes C min(W_t, W_cap): a small public cap
+(2-3) instead of the worst-case bound W_t.
 """
 
 from __future__ import annotations
@@ -99,9 +111,11 @@ class DoubleSpider(Algorithm):
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
         c, q = self.cfg, self.cfg.q
-        return {"eta-refresh": NoiseProfile(1, c.clip_eta, q),
+        # Nominal clips (a proxy, fixed before training): the data-free bounds at the public eta-init.
+        x_clip = c.clip_x * c.weight_cap if self.weight_after_clip and math.isfinite(c.weight_cap) else c.clip_x
+        return {"eta-refresh": NoiseProfile(1, self.eta_clip(c.eta_init), q),
                 "eta-diff": NoiseProfile(1, c.clip_diff_max, q / 2),
-                "x-refresh": NoiseProfile(self.dim, c.clip_x, q),
+                "x-refresh": NoiseProfile(self.dim, x_clip, q),
                 "x-diff": NoiseProfile(self.dim, c.clip_diff_max, q / 2)}
 
     def spider_pairs(self) -> list[tuple[str, str]]:
@@ -111,10 +125,25 @@ class DoubleSpider(Algorithm):
     def weight_after_clip(self) -> bool:
         return self.cfg.dro_clip == "weight-after-clip"
 
+    @property
+    def eta_clip_from_bound(self) -> bool:
+        return self.cfg.eta_clip_rule == "weight-bound"
+
     def weight_bound(self, eta: float) -> float:
-        """W = psi*'((B - G eta) / lambda), the public bound of the clamped-loss DRO weight at eta."""
+        """W = min(psi*'((B - G eta) / lambda), W_cap), the public bound of the clamped-loss (capped) DRO
+        weight at eta."""
         c = self.cfg
-        return dro_weight_bound(make_psi(c.psi, c.cvar_alpha), eta, c.lambda_, c.eta_scale, c.loss_bound)
+        return dro_weight_bound(make_psi(c.psi, c.cvar_alpha), eta, c.lambda_, c.eta_scale, c.loss_bound,
+                                c.weight_cap)
+
+    def eta_clip(self, eta: float) -> float:
+        """Nominal clip of the eta-refresh evaluated at eta: clip-eta ('fixed'), or G max(1, W - 1) with
+        W = ``weight_bound(eta)`` ('weight-bound'): the range bound of G (1 - w) for 0 <= w <= W, so no record
+        is clipped and the release's sensitivity is that bound."""
+        c = self.cfg
+        if not self.eta_clip_from_bound:
+            return c.clip_eta
+        return c.eta_scale * max(1.0, self.weight_bound(eta) - 1.0)
 
     def _x_query(self, t: int, mechanism: str, points: tuple[Point, ...], rate: float, clip: float) -> Query:
         c = self.cfg
@@ -134,7 +163,7 @@ class DoubleSpider(Algorithm):
         if state.stage == 0:
             if refresh:
                 return [Query(t, "eta-refresh", "dual-eta", (Point(t, state.eta),), self.rate(c.refresh_batch),
-                              c.clip(c.clip_eta), 1)]
+                              c.clip(self.eta_clip(state.eta)), 1)]
             dx = float(np.linalg.norm(state.x - state.x_prev))
             clip = self._diff_clip(dx, state.eta - state.eta_prev)
             return [Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
@@ -174,6 +203,8 @@ class DoubleSpider(Algorithm):
 
     def diagnostics(self, state: DoubleSpiderState) -> dict[str, float]:
         out = {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
-        if self.weight_after_clip:
+        if self.weight_after_clip or self.eta_clip_from_bound:
             out["weight_bound"] = self.weight_bound(state.eta)
+        if self.eta_clip_from_bound:
+            out["eta_clip"] = self.eta_clip(state.eta)
         return out

@@ -371,7 +371,8 @@ FIELDS: tuple[Field, ...] = (
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
           choices=("poisson", "fixed-size"), role="privacy"),
     Field("inject-fault", "str", "", "Testing only: '<partition>:<iteration>:<kind>' makes that client fail at "
-          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang.",
+          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang; kind leak "
+          "makes the server keep a copy of that client's first reply of every round from that iteration on.",
           role="runtime"),
 )
 
@@ -529,7 +530,7 @@ def check_device(device: str) -> None:
                               "allowed here: 'cpu'")
 
 
-FAULT_KINDS = ("raise", "raise-once", "nan", "hang")
+FAULT_KINDS = ("raise", "raise-once", "nan", "hang", "leak")
 
 
 def parse_fault(text: str) -> tuple[int, int, str]:

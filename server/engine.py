@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from .allocation import allocate
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger, calibrate, check_delta
+from .memory import heap_mb, rss_mb
 from .releaser import Releaser
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 from .summary import run_summary, software_versions
@@ -75,15 +75,6 @@ class RunResult:
     params: np.ndarray
     summary: dict
     metrics: list[dict] = field(default_factory=list)
-
-
-def rss_mb() -> float:
-    """Current resident set size of this process in MiB (/proc on Linux; elsewhere the peak)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _comparable(d: dict) -> dict:
@@ -170,7 +161,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         losses = metrics.pop("losses")
         return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
                 **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
-                "wall_seconds": wall(), "server_rss_mb": rss_mb()}
+                "wall_seconds": wall(), "server_rss_mb": rss_mb(), "server_heap_mb": heap_mb()}
 
     if resume:  # what the releases so far left behind in the releaser (absent from checkpoints before 21.10)
         saved = rd.load_checkpoint()[1]

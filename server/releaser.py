@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..common.config import Config
+from ..common.config import Config, parse_fault
 from ..common.messages import Query, Reply
 from ..common.rng import site_rng
 from ..common.transport import ClientFailure, Transport
@@ -84,6 +84,11 @@ class Releaser:
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger({}, {}, ledger.epsilon, ledger.delta, ledger.accountant)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
+        fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+        # testing only (inject-fault kind 'leak'): (partition, first iteration) whose replies are kept, so that
+        # the memory tests can show they catch a leak of one reply per round
+        self.leak = fault[:2] if fault and fault[2] == "leak" else None
+        self.leaked: list[np.ndarray] = []
 
     def decorate(self, q: Query, *, diagnostics: bool = True) -> Query:
         """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
@@ -102,6 +107,8 @@ class Releaser:
         for q in queries:  # refuse before anything leaves a client if the plan would be overspent
             self.ledger.check(q.mechanism, q.rate)
         replies = collect_round(self.cfg, self.transport, queries, versions, self._seen_by_server)
+        if self.leak and queries[0].iteration >= self.leak[1]:
+            self.leaked += [np.array(r.total) for r in replies[queries[0].qid] if r.partition == self.leak[0]]
         m = self.transport.num_clients
         released, events = {}, []
         for q in queries:

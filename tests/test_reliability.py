@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 
 import numpy as np
 import pytest
@@ -170,13 +171,53 @@ def test_bad_inject_fault_is_a_config_error():
         Config.from_mapping({"num-clients": 2, "min-clients": 3})
 
 
+# Bounds on the growth of the server's memory over a memory test (``growth``). The C heap in use
+# (server_heap_mb, glibc mallinfo2: numpy and torch buffers, Python objects above 512 bytes) does not move with
+# the allocator's caching and carries the tight bound; the RSS (server_rss_mb, after gc and malloc_trim)
+# keeps a loose one for what the heap does not see (Python's small-object arenas). The old test bounded the
+# untrimmed RSS by 25 MiB and was flaky: glibc's per-thread arenas made the Flower server's RSS move in ~19 MiB
+# steps without any leak (58 MiB from iteration 40 to 120 in one run; 23 MiB trimmed). Figures measured are in
+# the report of issue 21 item 11; the test-only leak of one client's reply (26k float64, 0.2 MiB) per round
+# (inject-fault kind 'leak') adds 0.2-0.4 MiB per iteration.
+HEAP_GROWTH_BOUND_MB = 8.0
+RSS_GROWTH_BOUND_MB = 40.0
+
+
+def growth(values: list[float]) -> float:
+    """Growth of a memory column: the median of its last three rows minus the least of rows 2-4 (rows 0-1
+    are warm-up: data, model, first rounds). A leak raises the end; memory in flight at one evaluation moves
+    one row only."""
+    assert len(values) >= 8, values
+    out = statistics.median(values[-3:]) - min(values[2:5])
+    print(f"MiB {[round(v, 1) for v in values]}: growth {out:.1f}")  # shown by pytest -rA
+    return out
+
+
+def assert_memory_steady(heap: list[float], rss: list[float]) -> None:
+    assert growth(heap) < HEAP_GROWTH_BOUND_MB, heap
+    assert growth(rss) < RSS_GROWTH_BOUND_MB, rss
+
+
+MEMORY_TEST = {"q": 10, "refresh_batch": 8, "diff_batch": 4, "max_test_records": 200}
+
+
 def test_memory_is_steady_over_many_iterations(small_config):
     """RSS of the engine process does not grow across hundreds of cheap iterations."""
-    cfg = small_config(iterations=300, q=10, refresh_batch=8, diff_batch=4, eval_every=50, max_test_records=200,
-                       checkpoint_every=100)
+    cfg = small_config(iterations=300, eval_every=25, checkpoint_every=100, **MEMORY_TEST)
     result = run_local(cfg)
-    rss = [row["server_rss_mb"] for row in result.metrics]
-    assert rss[-1] - rss[1] < 25.0, rss
+    assert_memory_steady([row["server_heap_mb"] for row in result.metrics],
+                         [row["server_rss_mb"] for row in result.metrics])
+
+
+def test_memory_check_catches_a_leak_of_one_reply_per_round(small_config):
+    """The memory tests are meaningful: the same check fails when the server keeps one client's reply
+    (26k float64, 0.2 MiB) of every round (inject-fault kind 'leak', a test-only hook in the engine)."""
+    cfg = small_config(iterations=150, eval_every=10, checkpoint_every=0, inject_fault="0:0:leak", **MEMORY_TEST)
+    result = run_local(cfg)
+    heap = [row["server_heap_mb"] for row in result.metrics]
+    assert growth(heap) > 2 * HEAP_GROWTH_BOUND_MB, heap
+    with pytest.raises(AssertionError):
+        assert_memory_steady(heap, [row["server_rss_mb"] for row in result.metrics])
 
 
 @pytest.mark.flower
@@ -195,11 +236,10 @@ def test_flower_drop_policy_completes_and_memory_is_steady(small_config, flower_
     memory does not grow over a couple of hundred rounds."""
     from dpdro.launch.simulate import run_simulation
 
-    cfg = small_config(iterations=120, q=10, refresh_batch=8, diff_batch=4, eval_every=40, max_test_records=200,
-                       inject_fault="1:3:raise", on_client_failure="drop", min_clients=2)
+    cfg = small_config(iterations=120, eval_every=10, inject_fault="1:3:raise", on_client_failure="drop",
+                       min_clients=2, **MEMORY_TEST)
     summary = run_simulation(cfg, stream=False, timeout=600, keep_superlink=True)
     assert summary["releases"]["x-refresh"] == 12 and summary["releases"]["x-diff"] == 108
     rows = [line.split(",") for line in open(f"{cfg.out_dir}/metrics.csv").read().splitlines()]
-    rss_col = rows[0].index("server_rss_mb")
-    rss = [float(r[rss_col]) for r in rows[1:]]
-    assert rss[-1] - rss[1] < 25.0, rss
+    heap, rss = ([float(r[rows[0].index(col)]) for r in rows[1:]] for col in ("server_heap_mb", "server_rss_mb"))
+    assert_memory_steady(heap, rss)

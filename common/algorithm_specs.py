@@ -26,7 +26,8 @@ class AlgorithmSpec:
     uses_eta: it has the dual variable eta (so eta-init-source='private-mean-loss' applies).
     dro: a DP-DRO method (the results tables compare it with the simple baselines, the non-DRO methods).
     logit_adjusted: it trains on the logit-adjusted loss (logit-adjust-tau 'auto' means 1, and 0 is refused).
-    space: the tuner's search space (config key -> values, ``dpdro tune``); empty: not tuned.
+    space: the tuner's search space (config key -> FloatRange | IntRange | Choice, ``dpdro tune``); empty: not
+        tuned.
     fixed: keys every tuning trial of the algorithm shares (not searched).
     """
 
@@ -36,7 +37,7 @@ class AlgorithmSpec:
     uses_eta: bool = False
     dro: bool = False
     logit_adjusted: bool = False
-    space: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    space: Mapping[str, SearchDimension] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -48,18 +49,81 @@ def declare_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
     return ALGORITHM_SPECS.register(spec.name, spec)
 
 
-# ---- the tuning spaces (simulations/tune.py) ----
-_LR = (2.0, 4.0, 6.0, 8.0, 12.0)
-# SPIDER-type methods: 12 always diverged in the first trials, 1 is added; q = 1 (a refresh every step, no
-# differences) is in their space so that the search can find out whether the differences pay off at all.
-_LR_SPIDER = (1.0, 2.0, 4.0, 6.0, 8.0)
-_Q = (1, 5)
-_BATCH = (1024, 2048)
-_TAU = (0.0, 1.0)
+# ---- the tuning spaces (simulations/tune.py: each becomes an Optuna distribution) ----
+@dataclass(frozen=True)
+class FloatRange:
+    """A float searched in [low, high]: log-uniform when ``log`` (then low > 0), else uniform, on a grid of
+    ``step`` when given (uniform only). Raises ValueError for an empty range or a log range reaching 0."""
+
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high or (self.log and self.low <= 0) or (self.log and self.step is not None):
+            raise ValueError(f"FloatRange: got low={self.low}, high={self.high}, log={self.log}, step={self.step}; "
+                             "allowed: low < high, low > 0 and no step when log")
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An integer searched in [low, high] (``step`` apart; log-uniform when ``log``, then low >= 1).
+    Raises ValueError for an empty range."""
+
+    low: int
+    high: int
+    log: bool = False
+    step: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high or self.step < 1 or (self.log and (self.low < 1 or self.step != 1)):
+            raise ValueError(f"IntRange: got low={self.low}, high={self.high}, log={self.log}, step={self.step}; "
+                             "allowed: low < high, step >= 1, low >= 1 and step 1 when log")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``values`` (strings, numbers or booleans; no order assumed). Raises ValueError for fewer than
+    two values or repeated ones."""
+
+    values: tuple
+
+    def __post_init__(self) -> None:
+        if len(self.values) < 2 or len(set(self.values)) != len(self.values):
+            raise ValueError(f"Choice: got {self.values!r}; allowed: two or more distinct values")
+
+
+SearchDimension = FloatRange | IntRange | Choice
+
+# Every method gets the same levers (issue 22 item 4): its step size, the refresh batch, post-hoc logit
+# adjustment at prediction, logit adjustment in training (dp-sgd keeps 0: with tau > 0 it is dp-sgd-la) and the
+# stabiliser, plus the keys of its own problem (q, lambda, ...).
+_BATCH = Choice((1024, 2048))
+_POSTHOC_TAU = FloatRange(0.0, 1.0, step=0.05)
+_TAU = FloatRange(0.0, 1.5, step=0.05)
+_TAU_LA = FloatRange(0.25, 1.5, step=0.05)  # dp-sgd-la refuses 0 (it would be dp-sgd)
+_LR = FloatRange(1.0, 12.0, log=True)
+# SPIDER-type methods: steps of 12 diverged in the first searches; q = 1 (a refresh every step, no differences)
+# is in their space so that the search can find out whether the differences pay off at all.
+_LR_SPIDER = FloatRange(0.5, 8.0, log=True)
+_Q = Choice((1, 3, 5))
+_LAMBDA = FloatRange(0.25, 4.0, log=True)
+_LR_ETA = FloatRange(0.02, 0.5, log=True)  # fixed at 0.1 before issue 22: the dual step is a lever too
+# TODO(issue 22 item 1, STABILISER): add the stabiliser ("warmup-iterations": IntRange(0, 200, step=25)) to
+# _levers once the warm-up key has landed on main (helper dro-rs); every method gets it through _levers.
+
+
+def _levers(lr_x: FloatRange, tau: FloatRange | None = _TAU) -> dict[str, SearchDimension]:
+    """The levers every method's space shares (tau None: logit adjustment is not a lever of the method)."""
+    return {"lr-x": lr_x, "refresh-batch": _BATCH, "posthoc-tau": _POSTHOC_TAU,
+            **({"logit-adjust-tau": tau} if tau is not None else {})}
+
+
 # SPIDER-type methods run in their useful regime (C_max = 0.15 with difference batches half the refresh batch: at
 # q = 5 a phase's differences add at most about the refresh's noise; server/diagnostics.py), and the dual variable
 # starts from the private mean loss.
-_SPIDER = {"clip-diff-max": 0.15, "lr-eta": 0.1, "eta-init-source": "private-mean-loss"}
+_SPIDER = {"clip-diff-max": 0.15, "eta-init-source": "private-mean-loss"}
 _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-source", "eta-init-noise-multiplier")
 
 # ---- the built-in algorithms (docs/ALGORITHMS.md) ----
@@ -68,8 +132,8 @@ declare_algorithm(AlgorithmSpec(
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
           "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta"), uses_eta=True, dro=True,
-    space={"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": (0.5, 1.0, 2.0),
-           "dro-clip": ("product", "weight-after-clip"), "logit-adjust-tau": _TAU},
+    space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "lr-eta": _LR_ETA,
+           "dro-clip": Choice(("product", "weight-after-clip"))},
     fixed=_SPIDER))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
@@ -77,35 +141,33 @@ declare_algorithm(AlgorithmSpec(
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
           "lr-x", "lr-lambda", "rs-clip-units"),
     quantities=("kl-vu", "kl-g"), dro=True,
-    space={"lr-x": (0.5, 1.0, 2.0, 4.0, 8.0), "refresh-batch": _BATCH, "q": _Q, "rho": (0.1, 0.5, 1.0),
-           "logit-adjust-tau": _TAU},
+    space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True)},
     # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
     # (whose logit-adjusted losses exceed 4) in play; the clips are in the units of the update (every trial of
     # the first search in absolute units, B = 4, lost the minority classes).
     fixed={"clip-diff-max": 0.15, "lr-lambda": 0.05, "beta": 0.5, "loss-bound": 10.0, "rs-clip-units": "relative"}))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd", keys=("refresh-batch", "clip-x", "lr-x"), quantities=("ce-grad",),
-    space={"lr-x": _LR, "refresh-batch": _BATCH}))
+    space=_levers(_LR, tau=None)))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd-la", keys=("refresh-batch", "clip-x", "lr-x", "logit-adjust-tau", "class-prior", "prior-noise-multiplier"),
     quantities=("ce-grad",), logit_adjusted=True,
-    space={"lr-x": _LR, "refresh-batch": _BATCH, "posthoc-tau": (0.0, 0.5)}))
+    space=_levers(_LR, tau=_TAU_LA)))
 declare_algorithm(AlgorithmSpec(
     "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
-    space={"lr-x": _LR, "refresh-batch": _BATCH, "lr-p": (0.05, 0.2, 1.0), "lambda": (0.1, 1.0),
-           "logit-adjust-tau": _TAU}))
+    space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True)}))
 
 declare_algorithm(AlgorithmSpec(
     "dp-sgd-dual", keys=("refresh-batch", "clip-x", "lr-x", "lr-eta", *_DUAL), quantities=("dual-joint",),
     uses_eta=True, dro=True,
-    space={"lr-x": _LR, "refresh-batch": _BATCH, "lambda": (0.5, 1.0, 2.0), "logit-adjust-tau": _TAU},
-    fixed={"lr-eta": 0.1, "eta-init-source": "private-mean-loss"}))
+    space={**_levers(_LR), "lambda": _LAMBDA, "lr-eta": _LR_ETA},
+    fixed={"eta-init-source": "private-mean-loss"}))
 declare_algorithm(AlgorithmSpec(
     "dp-spiderboost",
     keys=("q", "refresh-batch", "diff-batch", "clip-x", "clip-diff", "clip-diff-max", "lr-x", "lr-eta", *_DUAL),
     quantities=("dual-joint",), uses_eta=True, dro=True,
-    space={"lr-x": _LR_SPIDER, "refresh-batch": _BATCH, "q": _Q, "lambda": (0.5, 1.0, 2.0), "logit-adjust-tau": _TAU},
+    space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "lr-eta": _LR_ETA},
     fixed=_SPIDER))
 
 def algorithm_names() -> tuple[str, ...]:

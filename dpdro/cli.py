@@ -6,7 +6,7 @@
                                                               without it, before any work)
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
-    dpdro tune --dataset D [--epsilon E] [--trials N]         random search per method on a validation split
+    dpdro tune --dataset D [--epsilon E] [--trials N]         Optuna search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
     dpdro hazards [--seeds ...]                               one-factor changes of the tuned DP-DRO configs
     dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
@@ -161,8 +161,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dpdro.simulations.tune import run_tune, transfer_tuned, tuning_report, write_tuned
+    from dpdro.simulations.tune import run_tune, searched_entries, transfer_tuned, tuning_report, write_tuned
 
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        print('dpdro: error: dpdro tune needs Optuna: pip install -e ".[tune]" (or pip install optuna)',
+              file=sys.stderr)
+        return 2
     root, configs = Path(args.root), Path(args.configs)
     if args.transfer_from:  # no trial runs: docs/TUNING.md (the trials of searches) is left as it is
         for ds in args.dataset:
@@ -171,15 +177,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     for ds in args.dataset:
         if args.report:
-            winners = write_tuned(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed)
+            winners = write_tuned(ds, args.epsilon, args.methods, root, configs)
         else:
-            winners = run_tune(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed, args.jobs)
+            winners = run_tune(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed, args.jobs,
+                               args.confirm_top, args.confirm_seeds)
         for method, w in winners.items():
-            print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']}, validation worst {w['val_worst']:.4f}, "
-                  f"validation accuracy {w['val_accuracy']:.4f}")
-    entries = sorted({(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/*")
-                      if p.parent.parent.name in args.all_datasets}) if root.exists() else []
-    print(f"report: {tuning_report(entries, args.methods, args.trials, root, Path(args.docs), args.seed)}")
+            print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']} ({w['seeds']} seed(s)), validation worst "
+                  f"{w['val_worst']:.4f}, two lowest {w['val_two_lowest']:.4f}, accuracy {w['val_accuracy']:.4f}")
+    entries = searched_entries(root, args.all_datasets)
+    print(f"report: {tuning_report(entries, args.methods, root, Path(args.docs))}")
     return 0
 
 
@@ -315,14 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     from dpdro.common.config import DATASETS
     from dpdro.simulations.tune import METHODS
 
-    s = sub.add_parser("tune", help="same-sized random search per method on a validation split; writes tuned "
-                                    "configs and docs/TUNING.md (not privacy-accounted)")
+    s = sub.add_parser("tune", help="Optuna search (TPE, median pruner) with the same budget per method on a "
+                                    "validation split, top trials confirmed on more seeds; writes tuned configs and "
+                                    "docs/TUNING.md (not privacy-accounted); resumable")
     s.add_argument("--dataset", nargs="+", default=["mnist-st"], choices=DATASETS, help="data sets to tune")
     s.add_argument("--epsilon", type=float, default=4.0)
-    s.add_argument("--trials", type=int, default=8, help="trials per method (the same for every method)")
+    s.add_argument("--trials", type=int, default=20, help="finished (complete or pruned) trials per method, the "
+                                                          "same for every method; a larger number extends a search")
     s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    s.add_argument("--seed", type=int, default=0, help="seed of the search (not of the runs)")
-    s.add_argument("--jobs", type=int, default=2, help="trials in parallel")
+    s.add_argument("--seed", type=int, default=0, help="seed of the search's sampler (not of the runs)")
+    s.add_argument("--jobs", type=int, default=2, help="trials in parallel (1: reproducible point for point)")
+    s.add_argument("--confirm-top", type=int, default=3, help="best complete trials per method confirmed")
+    s.add_argument("--confirm-seeds", type=int, default=3, help="seeds each of them is judged on (the trial is "
+                                                                "seed 0; 1: no confirmation runs)")
     s.add_argument("--root", default="runs/tune", help="folder of the trials' run directories")
     s.add_argument("--configs", default="simulations/configs", help="where tuned/*.toml and *-best.toml go")
     s.add_argument("--docs", default="docs", help="where TUNING.md goes")

@@ -14,10 +14,11 @@ from concurrent.futures import ProcessPoolExecutor
 from ..common.config import Config
 
 
-def run_one(values: dict) -> tuple[str, str | None]:
+def run_one(values: dict, progress=None) -> tuple[str, str | None]:
     """Train the configuration ``values`` (kebab-case keys) in this process (continuing its checkpoint when
-    key resume is set); returns (out-dir, None), or (out-dir, message) when its data is not available
-    (DataError). Raises ConfigError for a non-empty out-dir without key resume or overwrite."""
+    key resume is set), calling ``progress`` (a ``server.engine.Progress``; the tuner's pruning hook) as the run
+    goes; returns (out-dir, None), or (out-dir, message) when its data is not available (DataError). Raises
+    ConfigError for a non-empty out-dir without key resume or overwrite, and whatever ``progress`` raises."""
     from ..client.local_transport import LocalTransport
     from ..common.data import DataError, load_from_config
     from ..server.engine import train
@@ -30,7 +31,7 @@ def run_one(values: dict) -> tuple[str, str | None]:
         train_set, eval_set = load_from_config(cfg, True), load_from_config(cfg, False)
     except DataError as e:
         return cfg.out_dir, str(e)
-    train(cfg, LocalTransport(cfg, train_set), eval_set, resume=cfg.resume)
+    train(cfg, LocalTransport(cfg, train_set), eval_set, resume=cfg.resume, progress=progress)
     return cfg.out_dir, None
 
 

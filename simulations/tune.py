@@ -1,25 +1,48 @@
-"""Hyper-parameter search without test leakage: ``dpdro tune``.
+"""Hyper-parameter search without test leakage, with Optuna: ``dpdro tune``.
 
-    dpdro tune --dataset mnist-st --epsilon 4 [--trials 8] [--methods dp-sgd dp-sgd-la ...] [--jobs 2]
+    dpdro tune --dataset mnist-st --epsilon 4 [--trials 20] [--methods dp-sgd dp-sgd-la ...] [--jobs 2]
+               [--confirm-top 3] [--confirm-seeds 3]
 
-Every method gets the same number of trials (random search over its space below, seeded by ``--seed`` and
-the method's name). A trial is a full private run at the target epsilon that trains on the training split
-minus a held-out validation split (``validation-fraction`` of every class, seeded by ``split-seed``; CelebA
-uses its own validation split) and is evaluated on that validation split only: the test split is never
-looked at. The trial with the best validation worst-class accuracy (worst-group on CelebA) wins, ties broken
-by validation accuracy, then by trial order. Its keys are written as a config file that trains on the whole
-training split and is evaluated on the test split:
+Equal effort for every method: each method gets its own Optuna study with the same number of finished
+trials (complete or pruned), the same training length and the same levers (its step size, the refresh
+batch, post-hoc and training logit adjustment, the stabiliser, plus its own problem's keys; the spaces are
+declared with the algorithms in ``common/algorithm_specs.py``: AlgorithmSpec.space and .fixed). A trial is a
+full private run at the target epsilon that trains on the training split minus a held-out validation split
+(``validation-fraction`` of every class, seeded by ``split-seed``; CelebA uses its own validation split) and is
+evaluated on that validation split only, every ``iterations / EVALS_PER_TRIAL`` iterations: the test split is
+never looked at.
+
+- Sampler: TPE (``optuna.samplers.TPESampler``), seeded by ``--seed``, the method and the number of trials
+  already finished (a resumed search does not redraw its first points); the first ``TPE_STARTUP_TRIALS`` are
+  random. With ``--jobs 1`` a search is reproducible point for point; with more jobs the points depend on which
+  trial finishes first (Optuna's constant-liar TPE treats the running ones as pending).
+- Pruner: ``optuna.pruners.MedianPruner`` on the intermediate validation scores (reported by the engine's
+  ``Progress.on_eval`` hook at each evaluation): after ``PRUNE_STARTUP_TRIALS`` finished trials and from
+  ``PRUNE_WARMUP_FRACTION`` of the iterations on (large steps leave DRO at chance for a while first), a trial
+  below the median of the finished trials at the same iteration stops. A pruned trial counts towards the budget.
+- Score: ``simulations.objective.validation_objective``: worst-class (CelebA: worst-group) accuracy, ties broken
+  by the mean of the two lowest class accuracies, then by the validation accuracy.
+- Confirmation: each method's ``--confirm-top`` best complete trials are trained again with seeds 1 ..
+  ``--confirm-seeds`` - 1 (the trial itself is seed 0); the method's winner is the candidate with the best score
+  of its mean terms over the seeds.
+- Storage: Optuna's JournalStorage on the file ``<root>/<dataset>/eps<e>/optuna.journal`` (one study per method)
+  and ``search.json`` (budget, seed, spaces) beside it. Rerunning the same command resumes: finished trials are
+  kept, a trial that was running when the search was stopped is run again (same point, new number), confirmation
+  runs with a summary.json are not run again. A second ``dpdro tune`` on the same search is refused.
+
+The winners' keys are written as config files that train on the whole training split and are evaluated on the
+test split:
 
     simulations/configs/tuned/<dataset>-eps<e>-<method>.toml     one per method
     simulations/configs/<dataset>-eps<e>-best.toml               the best method's (the overall winner)
+
+and every trial's validation figures go to ``docs/TUNING.md`` (``dpdro tune --report`` writes both from the
+storage and runs nothing).
 
 ``dpdro tune --dataset D --transfer-from S`` runs no trial: it writes D's tuned files from S's, keeping each
 method's searched keys (batch sizes in units of the data set's 'batch-scale') and taking everything else from
 D's trial keys. Nothing of D is then looked at to choose the hyper-parameters, so the choice costs D no privacy
 at all; the files' first line and docs/RESULTS.md say where they came from.
-
-and every trial's validation figures go to ``docs/TUNING.md`` (``dpdro tune --report``). Runs are resumable:
-a trial whose summary.json exists is not run again.
 
 Not privacy-accounted: the search reads noiseless validation metrics of private training records, so the
 chosen hyper-parameters depend on the private data beyond the runs' epsilon (the standard practice the
@@ -29,14 +52,18 @@ implemented.
 
 from __future__ import annotations
 
-import json
+import fcntl
 import logging
-import math
+import multiprocessing
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..common.algorithm_specs import ALGORITHM_SPECS
-from ..common.config import Config, toml_lines
+from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, SearchDimension
+from ..common.config import Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
+from .objective import evaluation_terms, pack_terms
 from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -54,43 +81,56 @@ PER_DATASET = {
 # (common/algorithm_specs.py: AlgorithmSpec.space and .fixed).
 # Baselines first, then the DP-DRO methods (the order of the runs, the report and of ties between winners).
 _ORDER = sorted(ALGORITHM_SPECS.values(), key=lambda s: s.dro)
-SPACES: dict[str, dict[str, tuple]] = {s.name: dict(s.space) for s in _ORDER if s.space}
+SPACES: dict[str, dict[str, SearchDimension]] = {s.name: dict(s.space) for s in _ORDER if s.space}
 FIXED: dict[str, dict] = {n: dict(s.fixed) for n, s in ALGORITHM_SPECS.items() if s.fixed}
 METHODS = tuple(SPACES)
 
+EVALS_PER_TRIAL = 5  # validation evaluations per trial (the pruner's checkpoints), the last at the end
+TPE_STARTUP_TRIALS = 8  # random trials before TPE models the space (Optuna's default is 10; budgets are ~20)
+PRUNE_STARTUP_TRIALS = 5  # finished trials before the pruner may stop one
+PRUNE_WARMUP_FRACTION = 0.4  # no pruning before this share of the iterations (DRO may sit at chance early)
+TrialRunner = Callable[[Config, Callable[[dict], None] | None], dict]
 
-def trial_keys(method: str, trials: int, seed: int) -> list[dict]:
-    """``trials`` distinct points of the method's space, drawn uniformly without replacement (all of them,
-    in a seeded order, when the space is smaller). Raises ValueError for an unknown method."""
+
+def suggest(trial, method: str) -> dict:
+    """The trial's point of the method's space (config key -> value), drawn by the study's sampler through
+    Optuna's suggest_float / suggest_int / suggest_categorical. Raises ValueError for an unknown method."""
     if method not in SPACES:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(SPACES)}")
-    space = SPACES[method]
-    names = sorted(space)
-    sizes = [len(space[k]) for k in names]
-    total = math.prod(sizes)
-    rng = derived_rng(seed, "tune", method)
-    picks = rng.choice(total, size=min(trials, total), replace=False)
-    out = []
-    for flat in picks:
-        point, rest = {}, int(flat)
-        for k, size in zip(names, sizes, strict=True):
-            point[k] = space[k][rest % size]
-            rest //= size
-        out.append(point)
+    point = {}
+    for key, dim in sorted(SPACES[method].items()):
+        if isinstance(dim, FloatRange):
+            point[key] = trial.suggest_float(key, dim.low, dim.high, log=dim.log, step=dim.step)
+        elif isinstance(dim, IntRange):
+            point[key] = trial.suggest_int(key, dim.low, dim.high, log=dim.log, step=dim.step)
+        else:
+            point[key] = trial.suggest_categorical(key, list(dim.values))
+    return point_keys(method, point)
+
+
+def point_keys(method: str, params: dict) -> dict:
+    """The config keys of a point of the method's space (Optuna's params): floats on a grid rounded to it
+    (0.30000000000000004 -> 0.3), log-scale floats to 4 significant digits (readable tuned files; far below
+    what a step size's effect can resolve)."""
+    out = dict(params)
+    for key, dim in SPACES[method].items():
+        if key in out and isinstance(dim, FloatRange):
+            out[key] = round(out[key], 10) if not dim.log else float(f"{out[key]:.4g}")
     return out
 
 
-def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir: Path) -> Config:
+def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir: Path, seed: int = 0) -> Config:
     """The configuration of one trial: BASE, the data set's keys, the method's FIXED keys, the trial's
     searched keys; batch sizes scaled by the data set's 'batch-scale', SPIDER difference (and s) batches at
-    half (and equal to) the refresh batch; evaluated on the validation split only."""
+    half (and equal to) the refresh batch; evaluated on the validation split only, EVALS_PER_TRIAL times.
+    ``seed``: the run's seed (0 for the search, 1.. for the confirmation runs)."""
     per = dict(PER_DATASET.get(dataset, {}))
     scale = per.pop("batch-scale", 1.0)
     values = {**BASE, **per, **FIXED.get(method, {}), **keys, "dataset": dataset, "algorithm": method,
-              "epsilon": epsilon, "seed": 0, "eval-split": "validation", "out-dir": str(out_dir)}
+              "epsilon": epsilon, "seed": seed, "eval-split": "validation", "out-dir": str(out_dir)}
     batch = int(values["refresh-batch"] * scale)
     values.update({"refresh-batch": batch, "diff-batch": batch // 2, "s-batch": batch})
-    values["eval-every"] = values["iterations"]
+    values["eval-every"] = max(1, values["iterations"] // EVALS_PER_TRIAL)
     return Config.from_mapping(values)
 
 
@@ -107,109 +147,374 @@ def final_keys(cfg: Config) -> dict:
     return {k: v for k, v in values.items() if k not in drop and (k in explicit or v != default[k])}
 
 
-def trial_dir(root: Path, dataset: str, epsilon: float, method: str, i: int) -> Path:
-    """Run directory of trial i: <root>/<dataset>/eps<e>/<method>/trial<ii>."""
-    return root / dataset / f"eps{epsilon:g}" / method / f"trial{i:02d}"
-
-
-def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, configs: Path,
-             seed: int = 0, jobs: int = 2) -> dict[str, dict]:
-    """Run every unfinished trial (``jobs`` processes), then write the tuned config files. Returns
-    method -> the winning trial's record (see ``collect_trials``)."""
-    from ..common.data import DataError
-    from ..server.rundir import continue_keys
-    from .runner import run_many
-
-    stored = search_file(root, dataset, epsilon)
-    if stored.exists() and search_size(root, dataset, epsilon, trials, seed) != (trials, seed):
-        raise ValueError(f"{stored} records a search with other --trials/--seed "
-                         f"{search_size(root, dataset, epsilon, trials, seed)}; use those or another --root")
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    stored.write_text(json.dumps({"trials": trials, "seed": seed}))
-    plans = []
-    for method in methods:
-        for i, keys in enumerate(trial_keys(method, trials, seed)):
-            cfg = trial_config(dataset, epsilon, method, keys, trial_dir(root, dataset, epsilon, method, i))
-            if not (Path(cfg.out_dir) / "summary.json").exists():  # unfinished: resume it, or start again
-                plans.append(cfg.with_updates(continue_keys(cfg.out_dir)))
-    log.info("%d trials to run", len(plans))
-    for _, missing in run_many(plans, jobs, f"tune {dataset} eps {epsilon:g}"):
-        if missing:
-            raise DataError(missing)
-    return write_tuned(dataset, epsilon, methods, trials, root, configs, seed)
-
-
-def collect_trials(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int) -> list[dict]:
-    """One record per finished trial of the search recorded in the search's ``search.json`` (or, without it,
-    the ``trials``/``seed`` given): index, searched keys (read back from the trial's config.json), validation
-    accuracy and worst accuracy."""
-    from ..server.rundir import read_json
-
-    trials, seed = search_size(root, dataset, epsilon, trials, seed)
-    out = []
-    for i in range(len(trial_keys(method, trials, seed))):
-        path = trial_dir(root, dataset, epsilon, method, i) / "summary.json"
-        if not path.exists():
-            continue
-        config = read_json(path.parent / "config.json")
-        keys = {k: config[k] for k in sorted(SPACES[method])}
-        s = read_json(path)
-        worst = s.get("worst_group_accuracy", s["worst_class_accuracy"])
-        out.append({"trial": i, "keys": keys, "val_accuracy": s["test_accuracy"], "val_worst": worst,
-                    "epsilon_spent": s["epsilon_spent"], "wall_seconds": s["wall_seconds"],
-                    "out_dir": str(path.parent)})
-    return out
+# ---- where a search lives ----
+def search_dir(root: Path, dataset: str, epsilon: float) -> Path:
+    """<root>/<dataset>/eps<e>: the search's storage, record and run directories."""
+    return Path(root) / dataset / f"eps{epsilon:g}"
 
 
 def search_file(root: Path, dataset: str, epsilon: float) -> Path:
-    """The search's record of its size (trials per method, seed)."""
-    return root / dataset / f"eps{epsilon:g}" / "search.json"
+    """The search's record: budget (trials per method), seed, confirmation settings, each method's space."""
+    return search_dir(root, dataset, epsilon) / "search.json"
 
 
-def search_size(root: Path, dataset: str, epsilon: float, trials: int, seed: int) -> tuple[int, int]:
-    """(trials per method, search seed) of the search stored under ``root`` (the arguments if none is)."""
+def journal_file(root: Path, dataset: str, epsilon: float) -> Path:
+    """Optuna's journal (every study of the search, one per method)."""
+    return search_dir(root, dataset, epsilon) / "optuna.journal"
+
+
+def trial_dir(root: Path, dataset: str, epsilon: float, method: str, number: int) -> Path:
+    """Run directory of trial ``number`` (Optuna's trial number): <search>/<method>/trial<nn>."""
+    return search_dir(root, dataset, epsilon) / method / f"trial{number:02d}"
+
+
+def confirm_dir(root: Path, dataset: str, epsilon: float, method: str, number: int, seed: int) -> Path:
+    """Run directory of the confirmation of trial ``number`` with ``seed``: <search>/<method>/confirm/..."""
+    return search_dir(root, dataset, epsilon) / method / "confirm" / f"trial{number:02d}-seed{seed}"
+
+
+def searched_entries(root: Path, datasets) -> list[tuple[str, float]]:
+    """(dataset, epsilon) of every search recorded under ``root`` for one of ``datasets``, sorted."""
+    root = Path(root)
+    found = {(p.parent.parent.name, float(p.parent.name[3:])) for p in root.glob("*/eps*/search.json")}
+    return sorted(e for e in found if e[0] in datasets)
+
+
+def _space_record(method: str) -> dict:
+    return {k: repr(v) for k, v in sorted(SPACES[method].items())}
+
+
+def read_search(root: Path, dataset: str, epsilon: float) -> dict | None:
+    """The search's record (``search_file``), or None when there is none. Raises RunFileError (via
+    rundir.read_json) for a damaged file."""
+    from ..server.rundir import read_json
+
     path = search_file(root, dataset, epsilon)
-    if path.exists():
-        d = json.loads(path.read_text())
-        return int(d["trials"]), int(d["seed"])
-    return trials, seed
+    return read_json(path) if path.exists() else None
 
 
-def best_trial(records: list[dict]) -> dict | None:
-    """The record with the highest validation worst accuracy, then validation accuracy, then lowest index."""
-    if not records:
-        return None
-    return max(records, key=lambda r: (r["val_worst"], r["val_accuracy"], -r["trial"]))
+def _record_search(root: Path, dataset: str, epsilon: float, methods: list[str], trials: int, seed: int,
+                   confirm_top: int, confirm_seeds: int) -> dict:
+    """Check the command against the stored record and store the updated one (atomic). The budget may grow
+    (the search goes on to the larger count), not shrink; the seed and a method's space may not change.
+    Raises ConfigError naming the field, the stored and the given value."""
+    from ..server.rundir import write_json
+
+    old = read_search(root, dataset, epsilon) or {}
+    path = search_file(root, dataset, epsilon)
+    if old and old["seed"] != seed:
+        raise ConfigError(f"--seed: got {seed}; {path} records a search with seed {old['seed']}: use it or another "
+                         "--root")
+    if old and trials < old["trials"]:
+        raise ConfigError(f"--trials: got {trials}; {path} records a search of {old['trials']} trials per method: "
+                         "allowed: that many or more (the search then goes on)")
+    spaces = dict(old.get("spaces", {}))
+    for method in methods:
+        if method in spaces and spaces[method] != _space_record(method):
+            raise ConfigError(f"the search space of {method} changed since {path} was written (stored "
+                             f"{spaces[method]}, now {_space_record(method)}); tune it under another --root")
+        spaces[method] = _space_record(method)
+    record = {"trials": trials, "seed": seed, "confirm-top": confirm_top, "confirm-seeds": confirm_seeds,
+              "iterations": trial_iterations(dataset), "spaces": spaces}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, record)
+    return record
 
 
-def write_tuned(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, configs: Path,
-                seed: int = 0) -> dict[str, dict]:
-    """Write the tuned config files from the finished trials; returns method -> winning record."""
+def trial_iterations(dataset: str) -> int:
+    """Iterations of every trial on the data set (BASE, or the data set's own)."""
+    return int({**BASE, **PER_DATASET.get(dataset, {})}["iterations"])
+
+
+@contextmanager
+def _search_lock(root: Path, dataset: str, epsilon: float) -> Iterator[None]:
+    """Hold the search's lock file for the duration; raises ConfigError when another process holds it (two
+    tuners on one search would each take the other's running trials for interrupted ones)."""
+    path = search_dir(root, dataset, epsilon) / ".tune.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another dpdro tune is running on {path.parent} (it holds {path}); wait for it or "
+                               "stop it first") from None
+        yield
+
+
+# ---- Optuna ----
+def open_study(root: Path, dataset: str, epsilon: float, method: str, sampler=None, pruner=None):
+    """The method's study in the search's journal (created when missing), maximising the score."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    journal = journal_file(root, dataset, epsilon)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    return optuna.create_study(storage=storage, study_name=method, direction="maximize", sampler=sampler,
+                               pruner=pruner, load_if_exists=True)
+
+
+def make_sampler(seed: int, method: str, worker: int, finished: int):
+    """TPE seeded by (seed, method, worker, trials finished so far): two workers never draw the same random
+    start, and a resumed search does not redraw the points it began with."""
+    from optuna.samplers import TPESampler
+
+    s = int(derived_rng(seed, "tune", method, worker, finished).integers(2**31))
+    return TPESampler(seed=s, n_startup_trials=TPE_STARTUP_TRIALS, multivariate=True, constant_liar=True)
+
+
+def make_pruner(iterations: int):
+    """Median pruner: PRUNE_STARTUP_TRIALS finished trials first, none before PRUNE_WARMUP_FRACTION of the
+    iterations."""
+    from optuna.pruners import MedianPruner
+
+    return MedianPruner(n_startup_trials=PRUNE_STARTUP_TRIALS,
+                        n_warmup_steps=int(PRUNE_WARMUP_FRACTION * iterations))
+
+
+def finished_trials(study) -> list:
+    """The trials that count towards the budget: complete or pruned (Optuna FrozenTrials, by number)."""
+    from optuna.trial import TrialState
+
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def retry_interrupted(study) -> list[int]:
+    """Mark the trials a stopped search left running as failed and enqueue each interrupted trial's point once
+    more (user attribute retry_of = its number), so that the point is still evaluated; returns the numbers
+    retried. Only call it while holding the search's lock (no trial of this search is running then)."""
+    from optuna.trial import TrialState
+
+    retried = {t.user_attrs.get("retry_of") for t in study.get_trials(deepcopy=False)}
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        interrupted = t.state == TrialState.RUNNING or (t.state == TrialState.FAIL and t.user_attrs.get("interrupted"))
+        if t.state == TrialState.RUNNING:
+            study.tell(t.number, state=TrialState.FAIL)
+        if interrupted and t.number not in retried:
+            study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
+            out.append(t.number)
+    return out
+
+
+def train_trial(cfg: Config, report: Callable[[dict], None] | None) -> dict:
+    """Train ``cfg`` in this process, calling ``report(row)`` after each evaluation (it may raise
+    optuna.TrialPruned to stop the run); returns the run's summary.json. Raises DataError when the data set is
+    missing. Tests replace this function by a synthetic one."""
+    from ..common.data import DataError
+    from ..server.engine import Progress
+    from ..server.rundir import read_json
+    from .runner import run_one
+
+    out, missing = run_one(cfg.to_dict(), progress=Progress(on_eval=report) if report else None)
+    if missing:
+        raise DataError(missing)
+    return read_json(Path(out) / "summary.json")
+
+
+def _terms_attrs(terms) -> dict:
+    return dict(zip(("val_worst", "val_two_lowest", "val_accuracy"), terms, strict=True))
+
+
+def _objective(trial, dataset: str, epsilon: float, method: str, root: Path) -> float:
+    """One trial: train the sampled point, reporting every evaluation's score to the pruner; returns the final
+    validation score. The figures go to the trial's user attributes (the report reads them)."""
+    import optuna
+
+    cfg = trial_config(dataset, epsilon, method, suggest(trial, method),
+                       trial_dir(root, dataset, epsilon, method, trial.number))
+    trial.set_user_attr("out_dir", cfg.out_dir)
+
+    def report(row: dict) -> None:
+        step = int(row["iteration"])
+        terms = evaluation_terms(row)
+        trial.report(pack_terms(terms), step)
+        if 0 < step < cfg.iterations and trial.should_prune():
+            for k, v in {**_terms_attrs(terms), "pruned_at": step}.items():
+                trial.set_user_attr(k, v)
+            raise optuna.TrialPruned(f"validation score below the median at iteration {step}")
+
+    try:
+        summary = train_trial(cfg, report)
+    except KeyboardInterrupt:  # a stopped search: the point is run again when the search resumes
+        trial.set_user_attr("interrupted", True)
+        raise
+    terms = evaluation_terms(summary)
+    for k, v in {**_terms_attrs(terms), "epsilon_spent": summary["epsilon_spent"],
+                 "wall_seconds": summary["wall_seconds"]}.items():
+        trial.set_user_attr(k, v)
+    return pack_terms(terms)
+
+
+def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, worker: int, finished: int,
+              quota: int) -> None:
+    """Run ``quota`` trials of the method's study (one worker; a process of its own when jobs > 1)."""
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    root_path = Path(root)
+    study = open_study(root_path, dataset, epsilon, method, make_sampler(seed, method, worker, finished),
+                       make_pruner(trial_iterations(dataset)))
+    study.optimize(lambda trial: _objective(trial, dataset, epsilon, method, root_path), n_trials=quota)
+
+
+def _train_values(values: dict) -> None:
+    """train_trial of a config given as its keys (what a worker process receives)."""
+    train_trial(Config.from_mapping(values), None)
+
+
+def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int = 0,
+               jobs: int = 1) -> int:
+    """Bring the method's study to ``trials`` finished trials (``jobs`` worker processes; in this process when
+    jobs <= 1), after re-enqueueing interrupted ones. Call it holding the search's lock (``run_tune`` does).
+    Returns the number of trials run now."""
+    study = open_study(root, dataset, epsilon, method)
+    retried = retry_interrupted(study)
+    if retried:
+        log.info("%s: trials %s were interrupted; their points run again", method, retried)
+    finished = len(finished_trials(study))
+    remaining = max(0, trials - finished)
+    workers = max(1, min(jobs, remaining))
+    quotas = [remaining // workers + (i < remaining % workers) for i in range(workers)]
+    if remaining == 0:
+        return 0
+    log.info("%s: %d of %d trials finished, %d to run", method, finished, trials, remaining)
+    if workers == 1:
+        _optimize(str(root), dataset, epsilon, method, seed, 0, finished, remaining)
+        return remaining
+    # spawn, not fork: see runner.run_many
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, w, finished, q)
+                   for w, q in enumerate(quotas)]
+        for f in futures:
+            f.result()
+    return remaining
+
+
+# ---- confirmation and selection ----
+def top_trials(study, k: int) -> list:
+    """The k complete trials with the highest score (ties: the lower number first)."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return sorted(done, key=lambda t: (-t.value, t.number))[:k]
+
+
+def confirm_configs(dataset: str, epsilon: float, method: str, root: Path, study, top: int,
+                    seeds: int) -> list[Config]:
+    """The confirmation runs of the method's ``top`` best trials, seeds 1 .. seeds-1 (seed 0 is the trial)."""
+    return [trial_config(dataset, epsilon, method, point_keys(method, t.params),
+                         confirm_dir(root, dataset, epsilon, method, t.number, s), seed=s)
+            for t in top_trials(study, top) for s in range(1, seeds)]
+
+
+def _run_confirmations(configs: list[Config], jobs: int) -> None:
+    """Run the unfinished confirmation runs (a summary.json marks a finished one; a partial one is resumed
+    from its checkpoint or started again, ``rundir.continue_keys``)."""
+    from ..server.rundir import continue_keys
+
+    plans = [c.with_updates(continue_keys(c.out_dir)) for c in configs
+             if not (Path(c.out_dir) / "summary.json").exists()]
+    if not plans:
+        return
+    log.info("%d confirmation runs to run", len(plans))
+    if jobs <= 1:
+        for c in plans:
+            train_trial(c, None)
+        return
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_train_values, c.to_dict()) for c in plans]:
+            f.result()
+
+
+def candidates(dataset: str, epsilon: float, method: str, root: Path, study, top: int, seeds: int) -> list[dict]:
+    """The method's top trials with their figures over the seeds run so far: trial (number), keys, seeds (how
+    many evaluations), val_worst / val_two_lowest / val_accuracy (means over the seeds), score (pack_terms of
+    the means), out_dir (the trial's run directory)."""
+    from ..server.rundir import read_json
+
+    out = []
+    for t in top_trials(study, top):
+        runs = [tuple(t.user_attrs[k] for k in ("val_worst", "val_two_lowest", "val_accuracy"))]
+        for s in range(1, seeds):
+            path = confirm_dir(root, dataset, epsilon, method, t.number, s) / "summary.json"
+            if path.exists():
+                runs.append(evaluation_terms(read_json(path)))
+        means = [sum(col) / len(runs) for col in zip(*runs, strict=True)]
+        out.append({"trial": t.number, "keys": point_keys(method, t.params), "seeds": len(runs), **_terms_attrs(means),
+                    "score": pack_terms(means), "out_dir": t.user_attrs["out_dir"]})
+    return out
+
+
+def select_winner(records: list[dict], seeds: int) -> dict | None:
+    """The candidate with the highest score among those evaluated on all ``seeds`` (ties: lower trial number);
+    None when none is."""
+    full = [r for r in records if r["seeds"] >= max(1, seeds)]
+    return max(full, key=lambda r: (r["score"], -r["trial"])) if full else None
+
+
+def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, configs: Path,
+             seed: int = 0, jobs: int = 2, confirm_top: int = 3, confirm_seeds: int = 3) -> dict[str, dict]:
+    """Bring every method's study to ``trials`` finished trials, confirm each method's ``confirm_top`` best on
+    ``confirm_seeds`` seeds, then write the tuned config files. Resumable (module docstring). Returns method ->
+    the winner's record (``candidates``). Raises ConfigError (a ValueError) for arguments out of range or
+    contradicting the stored search, or when another tuner holds the search."""
+    for name, value, low in (("--trials", trials, 1), ("--confirm-top", confirm_top, 1),
+                             ("--confirm-seeds", confirm_seeds, 1), ("--jobs", jobs, 1)):
+        if value < low:
+            raise ConfigError(f"{name}: got {value}; allowed: >= {low}")
+    unknown = [m for m in methods if m not in SPACES]
+    if unknown:
+        raise ConfigError(f"--methods: got {unknown}; allowed: {', '.join(SPACES)}")
+    with _search_lock(root, dataset, epsilon):
+        _record_search(root, dataset, epsilon, methods, trials, seed, confirm_top, confirm_seeds)
+        for method in methods:
+            run_search(dataset, epsilon, method, trials, root, seed, jobs)
+        plans = [c for m in methods for c in confirm_configs(dataset, epsilon, m, root, open_study(
+            root, dataset, epsilon, m), confirm_top, confirm_seeds)]
+        _run_confirmations(plans, jobs)
+    return write_tuned(dataset, epsilon, methods, root, configs)
+
+
+def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, configs: Path) -> dict[str, dict]:
+    """Write the tuned config files from the stored search (its record says the budget and the confirmation);
+    returns method -> winning record (``candidates``). Methods without a confirmed winner are skipped."""
     from ..server.engine import load_run_config
 
+    record = read_search(root, dataset, epsilon)
+    if record is None:
+        return {}
     winners = {}
-    trials, seed = search_size(root, dataset, epsilon, trials, seed)
     (configs / "tuned").mkdir(parents=True, exist_ok=True)
-    for method in methods:
-        win = best_trial(collect_trials(dataset, epsilon, method, trials, root, seed))
+    for method in [m for m in methods if m in record["spaces"]]:
+        win = select_winner(candidates(dataset, epsilon, method, root, open_study(root, dataset, epsilon, method),
+                                       record["confirm-top"], record["confirm-seeds"]), record["confirm-seeds"])
         if win is None:
+            log.warning("%s: no trial confirmed on %d seeds yet: no tuned file", method, record["confirm-seeds"])
             continue
         winners[method] = win
         keys = final_keys(load_run_config(win["out_dir"]))
-        header = (f"# Tuned by `dpdro tune --dataset {dataset} --epsilon {epsilon:g} --trials {trials}`: trial "
-                  f"{win['trial']} of {method}, validation accuracy {win['val_accuracy']:.4f}, validation worst "
-                  f"{win['val_worst']:.4f}.\n# Trains on the whole training split, evaluates on the test split. "
+        header = (f"# Tuned by `dpdro tune --dataset {dataset} --epsilon {epsilon:g} --trials {record['trials']}`: "
+                  f"trial {win['trial']} of {method} ({budget_line(record)}), mean over {win['seeds']} seed(s): "
+                  f"validation worst {win['val_worst']:.4f}, two lowest {win['val_two_lowest']:.4f}, accuracy "
+                  f"{win['val_accuracy']:.4f}.\n# Trains on the whole training split, evaluates on the test split. "
                   "The search itself is not privacy-accounted (docs/TUNING.md).\n")
         write_toml(tuned_config_path(dataset, epsilon, method, configs / "tuned"), keys, header)
     if winners:
-        method, win = max(winners.items(), key=lambda kv: (kv[1]["val_worst"], kv[1]["val_accuracy"]))
+        method, win = max(winners.items(), key=lambda kv: kv[1]["score"])  # ties: the first (baselines first)
         keys = {**final_keys(load_run_config(win["out_dir"])), "out-dir": f"runs/{dataset}-eps{epsilon:g}-best"}
-        header = (f"# Best configuration for {dataset} at epsilon {epsilon:g} over {', '.join(methods)} "
-                  f"({trials} trials each, selected on validation worst accuracy): {method}, trial "
+        header = (f"# Best configuration for {dataset} at epsilon {epsilon:g} over {', '.join(winners)} "
+                  f"({budget_line(record)} each, selected on the validation score): {method}, trial "
                   f"{win['trial']}.\n# Run: dpdro train --config <this file>. The search is not "
                   "privacy-accounted (docs/TUNING.md).\n")
         write_toml(configs / f"{dataset}-eps{epsilon:g}-best.toml", keys, header)
     return winners
+
+
+def budget_line(record: dict) -> str:
+    """The per-method budget of a search, in words."""
+    extra = (f", top {record['confirm-top']} confirmed on {record['confirm-seeds']} seeds"
+             if record["confirm-seeds"] > 1 else "")
+    return f"{record['trials']} TPE trials of at most {record['iterations']} iterations{extra}"
 
 
 def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str], configs: Path) -> dict[str, Path]:
@@ -258,42 +563,73 @@ def write_toml(path: Path, keys: dict, header: str = "") -> None:
     atomic_write_bytes(path, ("\n".join([*lines, toml_lines(keys)]) + "\n").encode())
 
 
-def tuning_report(entries: list[tuple[str, float]], methods: list[str], trials: int, root: Path, docs: Path,
-                  seed: int = 0) -> Path:
-    """docs/TUNING.md: every trial's searched keys and validation figures, per (dataset, epsilon)."""
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Path, docs: Path) -> Path:
+    """docs/TUNING.md: per (dataset, epsilon) the budget, every trial's state, searched keys and validation
+    figures, and the confirmation of each method's top trials (atomic write)."""
+    from optuna.trial import TrialState
+
+    from ..server.rundir import atomic_write_bytes
+
     lines = ["# Hyper-parameter search (generated by `dpdro tune --report`)", "",
-             "Random search with the same number of trials for every method, each a full private run at the target "
-             "epsilon, trained without the validation split and evaluated on it; the winner maximises validation "
-             "worst-class (CelebA: worst-group) accuracy. The test split is never used here. **The search is not "
-             "privacy-accounted**: it reads noiseless validation metrics of private training records. Shared keys: "
+             "Optuna, one study per method with the same budget: TPE sampler (seeded; the first "
+             f"{TPE_STARTUP_TRIALS} trials random), median pruner on the validation score at each of the "
+             f"{EVALS_PER_TRIAL} evaluations of a trial (after {PRUNE_STARTUP_TRIALS} finished trials, from "
+             f"{PRUNE_WARMUP_FRACTION:.0%} of the iterations on); a pruned trial counts towards the budget. Each "
+             "trial is a full private run at the target epsilon, trained without the validation split and "
+             "evaluated on it. Score (`simulations/objective.py`): validation worst-class (CelebA: worst-group) "
+             "accuracy, ties broken by the mean of the two lowest class accuracies, then by the validation "
+             "accuracy. Each method's best complete trials are trained again on more seeds and the best mean "
+             "score wins. The test split is never used here. **The search is not privacy-accounted**: it reads "
+             "noiseless validation metrics of private training records. Levers of every method: step size, "
+             "refresh batch, post-hoc and training logit adjustment (dp-sgd: training tau 0), and its own keys "
+             "(`common/algorithm_specs.py`). Shared keys: "
              + ", ".join(f"{k}={v}" for k, v in sorted(BASE.items())) + "; per data set: "
              + "; ".join(f"{d}: " + ", ".join(f"{k}={v}" for k, v in kv.items()) for d, kv in PER_DATASET.items())
              + ". SPIDER difference batches are half the refresh batch.", ""]
     for dataset, epsilon in entries:
-        n_trials, _ = search_size(root, dataset, epsilon, trials, seed)
-        lines += [f"## {dataset}, epsilon {epsilon:g} ({n_trials} trials per method)", ""]
+        record = read_search(root, dataset, epsilon)
+        if record is None:
+            continue
+        lines += [f"## {dataset}, epsilon {epsilon:g} (per method: {budget_line(record)})", ""]
         for method in methods:
-            records = collect_trials(dataset, epsilon, method, trials, root, seed)
-            if not records:
+            if method not in record["spaces"]:
                 continue
-            win = best_trial(records)
-            lines += [f"### {method} ({len(records)} of {n_trials} trials; winner: trial {win['trial']})", "",
-                      "| trial | val worst | val accuracy | keys |", "|---|---|---|---|"]
-            for r in records:
-                mark = " **(selected)**" if r is win else ""
-                keys = ", ".join(f"{k}={v}" for k, v in sorted(r["keys"].items()))
-                lines.append(f"| {r['trial']}{mark} | {r['val_worst']:.3f} | {r['val_accuracy']:.3f} | {keys} |")
+            study = open_study(root, dataset, epsilon, method)
+            trials = [t for t in study.get_trials(deepcopy=False)
+                      if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+            if not trials:
+                continue
+            cands = candidates(dataset, epsilon, method, root, study, record["confirm-top"],
+                               record["confirm-seeds"])
+            win = select_winner(cands, record["confirm-seeds"])
+            iters = sum(t.user_attrs.get("pruned_at", record["iterations"]) for t in trials)
+            lines += [f"### {method} ({len(trials)} of {record['trials']} trials, "
+                      f"{sum(t.state == TrialState.PRUNED for t in trials)} pruned, {iters} iterations trained; "
+                      f"winner: {'trial ' + str(win['trial']) if win else 'none confirmed yet'})", "",
+                      "| trial | state | val worst | val two lowest | val accuracy | keys |",
+                      "|---|---|---|---|---|---|"]
+            for t in trials:
+                state = "complete" if t.state == TrialState.COMPLETE else f"pruned at {t.user_attrs.get('pruned_at')}"
+                keys = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(t.params.items()))
+                figs = " | ".join(f"{t.user_attrs[k]:.3f}" if k in t.user_attrs else "-"
+                                  for k in ("val_worst", "val_two_lowest", "val_accuracy"))
+                lines.append(f"| {t.number} | {state} | {figs} | {keys} |")
+            lines += ["", "Confirmation (means over the seeds):", "",
+                      "| trial | seeds | val worst | val two lowest | val accuracy |", "|---|---|---|---|---|"]
+            for c in cands:
+                mark = " **(selected)**" if win is not None and c["trial"] == win["trial"] else ""
+                lines.append(f"| {c['trial']}{mark} | {c['seeds']} of {record['confirm-seeds']} | {c['val_worst']:.3f} "
+                             f"| {c['val_two_lowest']:.3f} | {c['val_accuracy']:.3f} |")
             lines.append("")
-    docs.mkdir(parents=True, exist_ok=True)
-    out = docs / "TUNING.md"
-    out.write_text("\n".join(lines))
+    out = Path(docs) / "TUNING.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, "\n".join(lines).encode())
     return out
 
 
-def space_size(method: str) -> int:
-    """Number of points of the method's search space."""
-    return math.prod(len(v) for v in SPACES[method].values())
-
-
-__all__ = ["run_tune", "transfer_tuned", "transferred_from", "trial_keys", "best_trial", "write_tuned",
-           "tuning_report", "METHODS", "SPACES", "space_size"]
+__all__ = ["run_tune", "run_search", "transfer_tuned", "transferred_from", "select_winner", "write_tuned",
+           "tuning_report", "searched_entries", "METHODS", "SPACES"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpdro.common.algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec
+from dpdro.common.algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec, Choice
 from dpdro.common.config import FIELD_BY_KEY, ROLES, Config, keys_with_role
 from dpdro.common.data import DATASETS
 from dpdro.common.models import MODELS
@@ -36,8 +36,8 @@ def test_specs_name_only_registered_keys_quantities_and_models():
         assert set(spec.keys) <= set(FIELD_BY_KEY), name
         assert set(spec.quantities) <= set(QUANTITIES), name
         assert set(spec.space) | set(spec.fixed) <= set(FIELD_BY_KEY), name
-        for key, values in spec.space.items():  # every point of the tuning space is a valid value
-            for v in values:
+        for key, dim in spec.space.items():  # both ends of a range and every choice are valid values
+            for v in dim.values if isinstance(dim, Choice) else (dim.low, dim.high):
                 Config.from_mapping({"algorithm": name, key: v})
     for name, spec in DATASETS.items():
         assert spec.default_model in MODELS, name

@@ -370,24 +370,6 @@ def test_eval_split_validation_needs_a_validation_part():
     Config.from_mapping({"dataset": "celeba", "eval-split": "validation"})
 
 
-def test_tuning_draws_distinct_points_and_selects_on_validation_only(tmp_path):
-    from dpdro.simulations import tune
-
-    points = tune.trial_keys("dp-double-spider", 8, 0)
-    assert len({json.dumps(p, sort_keys=True) for p in points}) == 8
-    assert points == tune.trial_keys("dp-double-spider", 8, 0) != tune.trial_keys("dp-double-spider", 8, 1)
-    assert len(tune.trial_keys("dp-sgd", 50, 0)) == tune.space_size("dp-sgd")
-    cfg = tune.trial_config("mnist-st", 4.0, "dp-double-spider", points[0], tmp_path / "t")
-    assert cfg.eval_split == "validation" and cfg.validation_fraction == 0.2
-    assert cfg.diff_batch == cfg.refresh_batch // 2
-    final = tune.final_keys(cfg)
-    assert "validation-fraction" not in final and "eval-split" not in final and "out-dir" not in final
-    assert Config.from_mapping(final).eval_split == "test"
-    records = [{"trial": 0, "val_worst": 0.5, "val_accuracy": 0.9}, {"trial": 1, "val_worst": 0.6, "val_accuracy": 0.5},
-               {"trial": 2, "val_worst": 0.6, "val_accuracy": 0.7}, {"trial": 3, "val_worst": 0.6, "val_accuracy": 0.7}]
-    assert tune.best_trial(records)["trial"] == 2 and tune.best_trial([]) is None
-
-
 def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goal(tmp_path):
     from dpdro.simulations.sweep import PROFILES, run_dir, write_report
     from dpdro.simulations.tune import write_toml
@@ -447,36 +429,6 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
     rs = {v[0]: v[2] for v in variants(tmp_path) if v[1] == "recursive-spider"}
     assert rs["recursive-spider, q=5, clip-diff-max=1.0"] == {"algorithm": "recursive-spider", "q": 5,
                                                                "clip-diff-max": 1.0}
-
-
-def test_write_tuned_picks_validation_winners_and_writes_runnable_configs(tmp_path):
-    import tomllib
-
-    from dpdro.simulations import tune
-
-    root, configs = tmp_path / "runs", tmp_path / "configs"
-    tune.search_file(root, "mnist-st", 4.0).parent.mkdir(parents=True)
-    tune.search_file(root, "mnist-st", 4.0).write_text(json.dumps({"trials": 3, "seed": 0}))
-    worst = {"dp-sgd": [0.1, 0.3, 0.2], "dp-sgd-la": [0.5, 0.7, 0.6]}
-    for method, values in worst.items():
-        for i, (keys, w) in enumerate(zip(tune.trial_keys(method, 3, 0), values, strict=True)):
-            cfg = tune.trial_config("mnist-st", 4.0, method, keys, tune.trial_dir(root, "mnist-st", 4.0, method, i))
-            out = tmp_path / "runs" / "mnist-st" / "eps4" / method / f"trial{i:02d}"
-            out.mkdir(parents=True)
-            (out / "config.json").write_text(json.dumps(cfg.to_dict()))
-            (out / "summary.json").write_text(json.dumps({"test_accuracy": 0.9, "worst_class_accuracy": w,
-                                                          "epsilon_spent": 4.0, "wall_seconds": 1.0}))
-    winners = tune.write_tuned("mnist-st", 4.0, ["dp-sgd", "dp-sgd-la"], 99, root, configs)
-    assert winners["dp-sgd"]["trial"] == 1 and winners["dp-sgd-la"]["trial"] == 1
-    with open(configs / "mnist-st-eps4-best.toml", "rb") as f:
-        best = tomllib.load(f)
-    expected = tune.trial_keys("dp-sgd-la", 3, 0)[1]
-    cfg = Config.from_mapping(best)
-    assert cfg.algorithm == "dp-sgd-la" and cfg.eval_split == "test" and cfg.validation_fraction == 0.0
-    assert all(best[k] == v for k, v in expected.items() if k != "refresh-batch")
-    assert cfg.refresh_batch == expected["refresh-batch"] and cfg.out_dir == "runs/mnist-st-eps4-best"
-    text = tune.tuning_report([("mnist-st", 4.0)], ["dp-sgd", "dp-sgd-la"], 99, root, tmp_path).read_text()
-    assert "(3 trials per method)" in text and text.count("**(selected)**") == 2
 
 
 def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp_path):

@@ -1,0 +1,234 @@
+"""dpdro tune (simulations/tune.py) with Optuna: seeded TPE, pruning, resumable storage, equal budgets,
+confirmation on more seeds, the selection score. The trials are synthetic (``tune.train_trial`` replaced by a
+function of the trial's keys): no training runs here."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dpdro.common.config import Config, ConfigError
+from dpdro.simulations import tune
+from dpdro.simulations.objective import objective_terms, pack_terms, validation_objective
+
+DS, EPS = "mnist-st", 4.0
+
+
+def _quality(cfg: Config) -> float:
+    """A smooth synthetic validation quality of a trial's keys: best at lr-x = 4, posthoc-tau = 0.5."""
+    return max(0.0, 0.9 - 0.25 * abs(math.log(cfg.lr_x / 4.0)) - 0.3 * abs(cfg.posthoc_tau - 0.5))
+
+
+class FakeRunner:
+    """Stands in for tune.train_trial: writes config.json / summary.json like a run, reports an evaluation row
+    at each eval-every (quality growing towards its final value), records every call."""
+
+    def __init__(self, interrupt_at: int | None = None, quality=_quality):
+        self.calls: list[Config] = []
+        self.reports: list[tuple[str, int]] = []
+        self.interrupt_at = interrupt_at  # raise KeyboardInterrupt at this call (0-based), once
+        self.quality = quality
+
+    def __call__(self, cfg: Config, report) -> dict:
+        if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
+            self.interrupt_at = None
+            self.calls.append(cfg)
+            raise KeyboardInterrupt
+        self.calls.append(cfg)
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=False)  # a trial never reuses a run directory
+        (out / "config.json").write_text(json.dumps(cfg.to_dict()))
+        q = self.quality(cfg) + 0.001 * cfg.seed
+        row = {}
+        for t in range(0, cfg.iterations + 1, cfg.eval_every):
+            f = q * t / cfg.iterations
+            row = {"iteration": t, "test_accuracy": min(1.0, f + 0.05), "per_class_accuracy": [f, f + 0.02, 0.99]}
+            if report is not None:
+                self.reports.append((cfg.out_dir, t))
+                report(row)
+        summary = {**row, "epsilon_spent": cfg.epsilon, "wall_seconds": 1.0}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    runner = FakeRunner()
+    monkeypatch.setattr(tune, "train_trial", runner)
+    return runner
+
+
+def _params(root: Path, method: str) -> list[dict]:
+    study = tune.open_study(root, DS, EPS, method)
+    return [t.params for t in study.get_trials(deepcopy=False)]
+
+
+def test_validation_objective_breaks_ties_by_the_two_lowest_classes_then_accuracy():
+    assert objective_terms([0.5, 0.2, float("nan"), 0.9], 0.7) == (0.2, 0.35, 0.7)
+    assert objective_terms([0.4], 0.4) == (0.4, 0.4, 0.4)
+    # worst decides, whatever the rest
+    assert validation_objective([0.11, 0.11, 0.11], 0.11) > validation_objective([0.10, 1.0, 1.0], 1.0)
+    # every worst class at 0: the second lowest class decides, not the accuracy on imbalanced data
+    assert validation_objective([0.0, 0.30, 0.5], 0.60) > validation_objective([0.0, 0.10, 0.99], 0.95)
+    # worst and two lowest tied: accuracy decides
+    assert validation_objective([0.0, 0.2, 0.5], 0.61) > validation_objective([0.0, 0.2, 0.9], 0.60)
+    # equal terms (to 4 decimals): equal scores; the score reads as the worst-class accuracy
+    assert validation_objective([0.2, 0.3], 0.5) == validation_objective([0.20001, 0.3], 0.5)
+    assert abs(validation_objective([0.25, 0.5, 0.75], 0.6) - 0.25) < 1e-4
+    # the packing is exact at the extremes of the digits
+    assert pack_terms((0.0, 1.0, 1.0)) < pack_terms((0.0001, 0.0001, 0.0)) < pack_terms((1.0, 1.0, 1.0)) < 1.0
+    with pytest.raises(ValueError, match="per-class accuracies"):
+        objective_terms([float("nan")], 0.5)
+    with pytest.raises(ValueError, match="accuracy: got 1.5"):
+        objective_terms([0.5], 1.5)
+
+
+def test_tpe_search_is_seeded_and_reproducible(tmp_path, fake):
+    trials = tune.TPE_STARTUP_TRIALS + 3  # past the random start: TPE's own proposals are compared too
+    for root, seed, n in ((tmp_path / "a", 0, trials), (tmp_path / "b", 0, trials), (tmp_path / "c", 1, 2)):
+        tune.run_search(DS, EPS, "dp-sgd", n, root, seed=seed, jobs=1)
+    a, b, c = (_params(tmp_path / r, "dp-sgd") for r in "abc")
+    assert len(a) == trials and a == b and a[:2] != c
+    assert len({json.dumps(p, sort_keys=True) for p in a}) == trials
+    assert set(a[0]) == set(tune.SPACES["dp-sgd"]) == {"lr-x", "refresh-batch", "posthoc-tau"}
+
+
+def test_interrupted_search_resumes_without_rerunning_a_trial(tmp_path, monkeypatch):
+    runner = FakeRunner(interrupt_at=2)
+    monkeypatch.setattr(tune, "train_trial", runner)
+    root = tmp_path / "runs"
+    with pytest.raises(KeyboardInterrupt):
+        tune.run_search(DS, EPS, "dp-sgd", 4, root, jobs=1)
+    study = tune.open_study(root, DS, EPS, "dp-sgd")
+    assert len(tune.finished_trials(study)) == 2
+    interrupted = study.trials[2].params
+    # a trial left running by a killed search (no exception reached Optuna)
+    killed = study.ask()
+    tune.suggest(killed, "dp-sgd")
+    killed_params = killed.params
+    done_dirs = [c.out_dir for c in runner.calls[:2]]
+    tune.run_search(DS, EPS, "dp-sgd", 4, root, jobs=1)
+    study = tune.open_study(root, DS, EPS, "dp-sgd")
+    finished = tune.finished_trials(study)
+    assert len(finished) == 4  # 2 before + the interrupted and the killed point again: the budget, no more
+    assert [c.out_dir for c in runner.calls[3:]].count(done_dirs[0]) == 0  # finished trials not run again
+    assert len(runner.calls) == 3 + 2
+    assert [t.params for t in finished[2:]] == [interrupted, killed_params]
+    assert sorted(t.user_attrs["retry_of"] for t in finished[2:]) == [2, 3]
+    # resuming a finished search runs nothing; a larger budget goes on from there
+    assert tune.run_search(DS, EPS, "dp-sgd", 4, root, jobs=1) == 0
+    assert tune.run_search(DS, EPS, "dp-sgd", 5, root, jobs=1) == 1 and len(runner.calls) == 6
+
+
+def test_pruner_stops_a_clearly_bad_trial(tmp_path, monkeypatch):
+    runner = FakeRunner(quality=lambda cfg: 0.05 if cfg.lr_x > 11.0 else 0.8)
+    monkeypatch.setattr(tune, "train_trial", runner)
+    root = tmp_path / "runs"
+    study = tune.open_study(root, DS, EPS, "dp-sgd")
+    for lr in (2.0, 3.0, 4.0, 5.0, 6.0):
+        study.enqueue_trial({"lr-x": lr, "refresh-batch": 1024, "posthoc-tau": 0.5})
+    study.enqueue_trial({"lr-x": 11.5, "refresh-batch": 1024, "posthoc-tau": 0.5})
+    tune.run_search(DS, EPS, "dp-sgd", 6, root, jobs=1)
+    trials = tune.open_study(root, DS, EPS, "dp-sgd").trials
+    from optuna.trial import TrialState
+
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5 + [TrialState.PRUNED]
+    iterations, warmup = tune.trial_iterations(DS), int(tune.PRUNE_WARMUP_FRACTION * tune.trial_iterations(DS))
+    first_check = min(t for t in range(0, iterations + 1, iterations // tune.EVALS_PER_TRIAL) if t >= warmup and t > 0)
+    assert trials[-1].user_attrs["pruned_at"] == first_check < iterations
+    assert max(t for d, t in runner.reports if d == runner.calls[-1].out_dir) == first_check  # it stopped there
+    assert len(tune.finished_trials(tune.open_study(root, DS, EPS, "dp-sgd"))) == 6  # a pruned trial counts
+
+
+def test_every_method_gets_the_same_budget_and_the_tuned_files_hold_the_winners_keys(tmp_path, fake):
+    root, configs, docs = tmp_path / "runs", tmp_path / "configs", tmp_path / "docs"
+    methods = ["dp-sgd", "dp-sgd-la", "dp-double-spider"]
+    winners = tune.run_tune(DS, EPS, methods, 4, root, configs, jobs=1, confirm_top=2, confirm_seeds=3)
+    for method in methods:
+        study = tune.open_study(root, DS, EPS, method)
+        assert len(tune.finished_trials(study)) == 4
+        # the top 2 complete trials ran again on seeds 1 and 2, nothing else
+        top = [t.number for t in tune.top_trials(study, 2)]
+        assert sorted(p.name for p in (tune.search_dir(root, DS, EPS) / method / "confirm").iterdir()) == sorted(
+            f"trial{n:02d}-seed{s}" for n in top for s in (1, 2))
+        win = winners[method]
+        assert win["seeds"] == 3 and win["trial"] in top
+        assert win == tune.select_winner(tune.candidates(DS, EPS, method, root, study, 2, 3), 3)
+        with open(configs / "tuned" / f"{DS}-eps4-{method}.toml", "rb") as f:
+            written = tomllib.load(f)
+        params = tune.point_keys(method, study.trials[win["trial"]].params)
+        assert {k: written[k] for k in params} == params == win["keys"]  # the winner's searched keys, exactly
+        cfg = Config.from_mapping(written)
+        assert cfg.eval_split == "test" and cfg.validation_fraction == 0.0 and cfg.algorithm == method
+    assert sum(c.seed == 0 for c in fake.calls) == 12 and sum(c.seed > 0 for c in fake.calls) == 3 * 2 * 2
+    best = max(winners.items(), key=lambda kv: kv[1]["score"])[0]
+    with open(configs / f"{DS}-eps4-best.toml", "rb") as f:
+        assert tomllib.load(f)["algorithm"] == best
+    # --report: nothing runs, the same files and the trials' document come out
+    n_calls = len(fake.calls)
+    assert tune.write_tuned(DS, EPS, methods, root, configs) == winners and len(fake.calls) == n_calls
+    text = tune.tuning_report(tune.searched_entries(root, [DS]), methods, root, docs).read_text()
+    assert "(per method: 4 TPE trials of at most 500 iterations, top 2 confirmed on 3 seeds)" in text
+    assert text.count("**(selected)**") == 3 and "### dp-double-spider (4 of 4 trials" in text
+    # a second run of the finished search trains nothing
+    tune.run_tune(DS, EPS, methods, 4, root, configs, jobs=1, confirm_top=2, confirm_seeds=3)
+    assert len(fake.calls) == n_calls
+
+
+def test_winner_must_hold_on_all_confirmation_seeds():
+    recs = [{"trial": 0, "seeds": 3, "score": 0.4}, {"trial": 1, "seeds": 2, "score": 0.9},
+            {"trial": 2, "seeds": 3, "score": 0.4}]
+    assert tune.select_winner(recs, 3)["trial"] == 0  # trial 1 is not confirmed yet; tie: lower number
+    assert tune.select_winner(recs, 2)["trial"] == 1 and tune.select_winner(recs[1:2], 3) is None
+
+
+def test_search_record_refuses_a_changed_seed_or_a_smaller_budget(tmp_path, fake):
+    root, configs = tmp_path / "runs", tmp_path / "configs"
+    tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, jobs=1, confirm_seeds=1)
+    with pytest.raises(ConfigError, match="--seed: got 1"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, seed=1, jobs=1)
+    with pytest.raises(ConfigError, match="--trials: got 1"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 1, root, configs, jobs=1)
+    with pytest.raises(ConfigError, match="--confirm-seeds: got 0"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, jobs=1, confirm_seeds=0)
+    record = tune.read_search(root, DS, EPS)
+    record["spaces"]["dp-sgd"]["lr-x"] = "FloatRange(low=1.0, high=2.0)"
+    tune.search_file(root, DS, EPS).write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match="search space of dp-sgd changed"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, jobs=1)
+
+
+def test_every_method_searches_the_same_levers():
+    levers = {"lr-x", "refresh-batch", "posthoc-tau"}
+    for method, space in tune.SPACES.items():
+        assert levers <= set(space), method
+        assert ("logit-adjust-tau" in space) == (method != "dp-sgd"), method  # dp-sgd with tau > 0 is dp-sgd-la
+    # every point of the space is a valid trial configuration
+    for method, space in tune.SPACES.items():
+        for end in ("low", "high"):
+            point = {k: (d.values[0] if end == "low" else d.values[-1]) if hasattr(d, "values") else getattr(d, end)
+                     for k, d in space.items()}
+            cfg = tune.trial_config(DS, EPS, method, point, Path("unused"))
+            assert cfg.eval_every * tune.EVALS_PER_TRIAL == cfg.iterations and cfg.eval_split == "validation"
+
+
+def test_point_keys_round_grid_and_log_floats_for_readable_files():
+    keys = tune.point_keys("dp-double-spider", {"posthoc-tau": 0.30000000000000004, "lr-x": 4.594176194078786,
+                                                "q": 5, "dro-clip": "product"})
+    assert keys == {"posthoc-tau": 0.3, "lr-x": 4.594, "q": 5, "dro-clip": "product"}
+
+
+def test_trial_config_trains_without_the_validation_split_and_final_keys_evaluate_on_test(tmp_path):
+    keys = {"lr-x": 2.0, "refresh-batch": 1024, "posthoc-tau": 0.5, "logit-adjust-tau": 1.0, "q": 5,
+            "lambda": 1.0, "lr-eta": 0.1, "dro-clip": "product"}
+    cfg = tune.trial_config(DS, EPS, "dp-double-spider", keys, tmp_path / "t")
+    assert cfg.eval_split == "validation" and cfg.validation_fraction == 0.2 and cfg.seed == 0
+    assert cfg.diff_batch == cfg.refresh_batch // 2
+    final = tune.final_keys(cfg)
+    assert "validation-fraction" not in final and "eval-split" not in final and "out-dir" not in final
+    assert Config.from_mapping(final).eval_split == "test"
+    assert tune.trial_config(DS, EPS, "dp-double-spider", keys, tmp_path / "t", seed=2).seed == 2

@@ -12,6 +12,7 @@ split with every seed and evaluated on the test split:
 - minority classes drown first: the logit-adjusted loss off / on;
 - the noise allocation: eta-noise-ratio ratios vs the variance rule;
 - eta initialisation: eta_0 = 0 vs the private mean loss;
+- the eta clip: eta-clip-rule fixed (biased) vs weight-bound (ALGORITHMS.md 3.1);
 - the scale of Algorithm 3's quantities: rs-clip-units absolute vs relative.
 
 A second block asks whether DRO adds anything on top of the strongest simple baseline: dp-double-spider at the
@@ -37,7 +38,8 @@ DATASET, EPSILON = "mnist-st", 4.0
 TOGGLES = {
     "dp-double-spider": [("dro-clip", "product"), ("dro-clip", "weight-after-clip"), ("q", 1), ("q", 5),
                          ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0),
-                         ("noise-allocation", "ratios"), ("eta-init-source", "config")],
+                         ("noise-allocation", "ratios"), ("eta-init-source", "config"),
+                         ("eta-clip-rule", "fixed"), ("eta-clip-rule", "weight-bound")],
     "recursive-spider": [("rs-clip-units", "absolute"), ("rs-clip-units", "relative"), ("q", 1), ("q", 5),
                          ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0)],
 }

@@ -420,9 +420,10 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
         base = dict(vs[[v[0] for v in vs].index(f"{algo} (tuned)")][2])
         changed = {k for k in set(keys) | set(base) if keys.get(k) != base.get(k)}
         assert len(changed) <= 1 and Config.from_mapping(keys).algorithm == algo
-    # equal to the tuned configs, hence left out: product, q = 5, tau = 0 ('auto'), eta-init config; rs: absolute,
-    # q = 5 (the default), tau = 0
-    assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 7
+    # equal to the tuned configs, hence left out: product, q = 5, tau = 0 ('auto'), eta-init config, eta-clip-rule
+    # fixed; rs: absolute, q = 5 (the default), tau = 0
+    assert len(vs) == 2 + sum(len(t) for t in TOGGLES.values()) - 8
+    assert "dp-double-spider, eta-clip-rule=weight-bound" in labels
     assert "dp-double-spider, logit-adjust-tau=1.0" in labels and "dp-double-spider, logit-adjust-tau=0.0" not in labels
     # a q = 1 configuration has no differences: its difference cap is compared at q = 5
     write_toml(tmp_path / "mnist-st-eps4-recursive-spider.toml", {"algorithm": "recursive-spider", "q": 1})

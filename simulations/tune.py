@@ -55,6 +55,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -306,10 +307,22 @@ def train_trial(cfg: Config, report: Callable[[dict], None] | None) -> dict:
     from ..server.rundir import read_json
     from .runner import run_one
 
-    out, missing = run_one(cfg.to_dict(), progress=Progress(on_eval=report) if report else None)
+    progress = Progress(on_step=_stop_if_orphaned, on_eval=report or (lambda row: None))
+    out, missing = run_one(cfg.to_dict(), progress=progress)
     if missing:
         raise DataError(missing)
     return read_json(Path(out) / "summary.json")
+
+
+_PARENT_PID: int | None = None  # set in a worker process: the tuner that started it
+
+
+def _stop_if_orphaned(t: int) -> None:
+    """In a worker process whose tuner has gone (killed, e.g. by SIGTERM, which the workers do not get), stop
+    like Ctrl-C: the trial is marked interrupted and runs again when the search resumes, instead of going on
+    unsupervised next to a resumed search."""
+    if _PARENT_PID is not None and os.getppid() != _PARENT_PID:
+        raise KeyboardInterrupt(f"the tuner (pid {_PARENT_PID}) has gone")
 
 
 def _terms_attrs(terms) -> dict:
@@ -347,9 +360,11 @@ def _objective(trial, dataset: str, epsilon: float, method: str, root: Path) -> 
 
 
 def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, worker: int, finished: int,
-              quota: int) -> None:
-    """Run ``quota`` trials of the method's study (one worker; a process of its own when jobs > 1)."""
-
+              quota: int, parent: int | None = None) -> None:
+    """Run ``quota`` trials of the method's study (one worker; a process of its own when jobs > 1, then
+    ``parent`` is the tuner's pid)."""
+    global _PARENT_PID
+    _PARENT_PID = parent
     logging.getLogger("absl").setLevel(logging.ERROR)
     root_path = Path(root)
     study = open_study(root_path, dataset, epsilon, method, make_sampler(seed, method, worker, finished),
@@ -357,8 +372,10 @@ def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, w
     study.optimize(lambda trial: _objective(trial, dataset, epsilon, method, root_path), n_trials=quota)
 
 
-def _train_values(values: dict) -> None:
-    """train_trial of a config given as its keys (what a worker process receives)."""
+def _train_values(values: dict, parent: int) -> None:
+    """train_trial of a config given as its keys, in a worker process of the tuner ``parent``."""
+    global _PARENT_PID
+    _PARENT_PID = parent
     train_trial(Config.from_mapping(values), None)
 
 
@@ -383,7 +400,7 @@ def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Pat
         return remaining
     # spawn, not fork: see runner.run_many
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, w, finished, q)
+        futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, w, finished, q, os.getpid())
                    for w, q in enumerate(quotas)]
         for f in futures:
             f.result()
@@ -422,7 +439,7 @@ def _run_confirmations(configs: list[Config], jobs: int) -> None:
             train_trial(c, None)
         return
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_train_values, c.to_dict()) for c in plans]:
+        for f in [pool.submit(_train_values, c.to_dict(), os.getpid()) for c in plans]:
             f.result()
 
 

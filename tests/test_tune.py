@@ -232,3 +232,44 @@ def test_trial_config_trains_without_the_validation_split_and_final_keys_evaluat
     assert "validation-fraction" not in final and "eval-split" not in final and "out-dir" not in final
     assert Config.from_mapping(final).eval_split == "test"
     assert tune.trial_config(DS, EPS, "dp-double-spider", keys, tmp_path / "t", seed=2).seed == 2
+
+
+def test_a_second_tuner_on_the_same_search_is_refused(tmp_path, fake):
+    root, configs = tmp_path / "runs", tmp_path / "configs"
+    with tune._search_lock(root, DS, EPS):
+        with pytest.raises(ConfigError, match="another dpdro tune is running"):
+            tune.run_tune(DS, EPS, ["dp-sgd"], 1, root, configs, jobs=1, confirm_seeds=1)
+    assert fake.calls == []
+    tune.run_tune(DS, EPS, ["dp-sgd"], 1, root, configs, jobs=1, confirm_seeds=1)  # released: runs
+    assert len(fake.calls) == 1
+
+
+def test_a_worker_whose_tuner_has_gone_stops_like_ctrl_c(monkeypatch):
+    import os
+
+    monkeypatch.setattr(tune, "_PARENT_PID", os.getppid())
+    tune._stop_if_orphaned(1)  # its tuner is alive: goes on
+    monkeypatch.setattr(tune, "_PARENT_PID", os.getppid() + 10**7)
+    with pytest.raises(KeyboardInterrupt, match="has gone"):
+        tune._stop_if_orphaned(1)
+
+
+def test_real_trial_reports_each_evaluation_and_stops_when_pruned(tmp_path):
+    """The real trial runner (a tiny MNIST-ST run): the engine's evaluation hook reaches the reporter with the
+    validation figures, and a TrialPruned raised there stops the run before its end (no summary.json)."""
+    import optuna
+
+    keys = {"lr-x": 2.0, "refresh-batch": 64, "posthoc-tau": 0.0}
+    cfg = tune.trial_config(DS, EPS, "dp-sgd", keys, tmp_path / "t").with_updates(
+        {"iterations": 6, "eval-every": 2, "max-train-records": 600, "max-test-records": 200})
+    seen = []
+
+    def report(row):
+        seen.append((row["iteration"], len(row["per_class_accuracy"])))
+        if row["iteration"] == 4:
+            raise optuna.TrialPruned("test")
+
+    with pytest.raises(optuna.TrialPruned):
+        tune.train_trial(cfg, report)
+    assert seen == [(0, 10), (2, 10), (4, 10)]
+    assert (tmp_path / "t" / "metrics.csv").exists() and not (tmp_path / "t" / "summary.json").exists()

@@ -319,7 +319,7 @@ FIELDS: tuple[Field, ...] = (
     # privacy
     Field("epsilon", "float", 4.0, "Target epsilon of (epsilon, delta)-DP at record level; inf: not private "
           "(no clipping, no noise).", low=0.0, low_open=True, allow_inf=True, high=1e4, role="privacy"),
-    Field("delta", "float", AUTO, "Target delta; 'auto': n^-1.1 for n training records. A private run refuses "
+    Field("delta", "float", AUTO, "Target delta; 'auto': 1/(10 n) for n training records. A private run refuses "
           "delta >= 1/n before training and warns above 1/(10 n).", low=0.0,
           high=1.0, low_open=True, high_open=True, auto=True, role="privacy"),
     Field("accountant", "str", "pld", "dp-accounting accountant: 'pld' (privacy loss distributions: the tight one, "
@@ -449,11 +449,6 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                               f"({self.num_clients})")
         if self.inject_fault:
             parse_fault(self.inject_fault)
-        if self.private and self.delta == AUTO and self.max_train_records == 1:
-            # n = 1 is known before loading any data: 'auto' would give delta = 1^-1.1 = 1 (no guarantee at all)
-            raise ConfigError("config key 'delta': got 'auto' with max-train-records = 1, i.e. delta = n^-1.1 = 1 for "
-                              "n = 1 training record; allowed: 0 < delta < 1/n = 1, better <= 1/(10 n) = 0.1: give "
-                              "delta explicitly or use more training records")
         if not self.lambda0 <= self.lambda_init <= self.lambda_max:
             raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
                               f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")

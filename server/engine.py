@@ -29,7 +29,7 @@ from .algorithms import make_algorithm
 from .allocation import allocate
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
-from .ledger import Ledger, calibrate, check_delta
+from .ledger import Ledger, auto_delta, calibrate, check_delta
 from .memory import heap_mb, rss_mb
 from .releaser import Releaser
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
@@ -48,9 +48,9 @@ class ResumeError(ValueError):
 
 
 def resolve_delta(cfg: Config, n: int) -> float:
-    """delta of the config, or n^-1.1 for 'auto' (ALGORITHMS.md 5.1). In a private run, raises ConfigError for
-    delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
-    delta = float(n) ** -1.1 if cfg.delta == AUTO else float(cfg.delta)
+    """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
+    raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
+    delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
     if cfg.private:
         warning = check_delta(delta, n, cfg.delta)
         if warning:

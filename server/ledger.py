@@ -200,6 +200,18 @@ def _self_composed_points(pmf, count: int) -> int:
     return max(upper - lower + 1, len(probs))
 
 
+def auto_delta(n: int) -> float:
+    """The delta of ``delta = 'auto'``: 1/(10 n) for n training records (n public, >= 1).
+
+    The smallest delta the product does not warn about (check_delta): n^-1.1, the seed paper's choice, exceeds
+    1/(10 n) for every n below 10^10, so it would make every default run print a weak-guarantee warning.
+    Raises ValueError for n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1 training record, got {n}")
+    return 0.1 / n
+
+
 def check_delta(delta: float, n: int, given: object) -> str | None:
     """Check delta against the number n of training records (public); return a warning text or None.
 

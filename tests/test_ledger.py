@@ -395,24 +395,25 @@ def test_engine_refuses_delta_at_least_one_over_n_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing calibrated, created or written
 
 
-def test_engine_warns_for_auto_delta_of_small_n(tmp_path, caplog):
+def test_engine_warns_for_a_weak_delta_but_never_for_auto(tmp_path, caplog):
     from dpdro.server.engine import resolve_delta
 
     with caplog.at_level("WARNING", logger="dpdro.server.engine"):
-        assert resolve_delta(_engine_cfg(tmp_path), 20) == pytest.approx(20**-1.1)
+        assert resolve_delta(_engine_cfg(tmp_path, delta=20**-1.1), 20) == pytest.approx(20**-1.1)
     assert any("exceeds 1/(10 n)" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="dpdro.server.engine"):
+        # 'auto' is 1/(10 n): the default never triggers the product's own weak-delta warning, whatever n
+        for n in (1, 20, 30_018, 10**9):
+            assert resolve_delta(_engine_cfg(tmp_path), n) == pytest.approx(0.1 / n)
         resolve_delta(_engine_cfg(tmp_path, delta=1e-6), 20)
         resolve_delta(_engine_cfg(tmp_path, epsilon="inf", delta=0.5), 20)  # not private: delta unused
     assert not caplog.records
 
 
-def test_cli_refuses_auto_delta_for_one_record_before_loading_data(tmp_path, capsys):
-    from dpdro.cli import main
-
-    rc = main(["train", "--set", "max-train-records=1", "iterations=1", f"out-dir={tmp_path / 'run'}",
-               "data-root=/nonexistent"])
-    assert rc == 2
-    assert "config key 'delta': got 'auto' with max-train-records = 1" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+def test_auto_delta_is_a_tenth_of_one_over_n():
+    assert ledger.auto_delta(1) == pytest.approx(0.1)
+    assert ledger.auto_delta(30_018) == pytest.approx(3.331e-6, rel=1e-3)
+    assert ledger.check_delta(ledger.auto_delta(20), 20, "auto") is None
+    with pytest.raises(ValueError, match="at least 1"):
+        ledger.auto_delta(0)

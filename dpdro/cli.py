@@ -185,6 +185,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']} ({w['seeds']} seed(s)), validation worst "
                   f"{w['val_worst']:.4f}, two lowest {w['val_two_lowest']:.4f}, accuracy {w['val_accuracy']:.4f}")
     entries = searched_entries(root, args.all_datasets)
+    if not entries:  # nothing to report: the document of an earlier search stays
+        print(f"no search under {root}: {Path(args.docs) / 'TUNING.md'} left as it is")
+        return 0
     print(f"report: {tuning_report(entries, args.methods, root, Path(args.docs))}")
     return 0
 

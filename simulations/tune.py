@@ -187,11 +187,17 @@ def _space_record(method: str) -> dict:
 
 def read_search(root: Path, dataset: str, epsilon: float) -> dict | None:
     """The search's record (``search_file``), or None when there is none. Raises RunFileError (via
-    rundir.read_json) for a damaged file."""
+    rundir.read_json) for a damaged file, ConfigError for the record of a search before Optuna."""
     from ..server.rundir import read_json
 
     path = search_file(root, dataset, epsilon)
-    return read_json(path) if path.exists() else None
+    if not path.exists():
+        return None
+    record = read_json(path)
+    if "spaces" not in record:  # written by the random search before Optuna: its trial folders would collide
+        raise ConfigError(f"{path} records a random search of an earlier dpdro (no Optuna study): tune under "
+                          "another --root")
+    return record
 
 
 def _record_search(root: Path, dataset: str, epsilon: float, methods: list[str], trials: int, seed: int,

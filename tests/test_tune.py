@@ -196,6 +196,9 @@ def test_search_record_refuses_a_changed_seed_or_a_smaller_budget(tmp_path, fake
     with pytest.raises(ConfigError, match="--confirm-seeds: got 0"):
         tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, jobs=1, confirm_seeds=0)
     record = tune.read_search(root, DS, EPS)
+    tune.search_file(root, DS, EPS).write_text(json.dumps({"trials": 8, "seed": 0}))  # a random search's record
+    with pytest.raises(ConfigError, match="random search of an earlier dpdro"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, root, configs, jobs=1)
     record["spaces"]["dp-sgd"]["lr-x"] = "FloatRange(low=1.0, high=2.0)"
     tune.search_file(root, DS, EPS).write_text(json.dumps(record))
     with pytest.raises(ConfigError, match="search space of dp-sgd changed"):
@@ -273,3 +276,29 @@ def test_real_trial_reports_each_evaluation_and_stops_when_pruned(tmp_path):
         tune.train_trial(cfg, report)
     assert seen == [(0, 10), (2, 10), (4, 10)]
     assert (tmp_path / "t" / "metrics.csv").exists() and not (tmp_path / "t" / "summary.json").exists()
+
+
+def test_report_without_a_search_leaves_the_document(tmp_path):
+    from dpdro.cli import main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "TUNING.md").write_text("an earlier search")
+    assert main(["tune", "--report", "--root", str(tmp_path / "none"), "--docs", str(docs),
+                 "--configs", str(tmp_path / "configs")]) == 0
+    assert (docs / "TUNING.md").read_text() == "an earlier search"
+
+
+def test_command_line_runs_the_search_with_its_budget(tmp_path, fake):
+    from dpdro.cli import main
+
+    root, configs, docs = tmp_path / "runs", tmp_path / "configs", tmp_path / "docs"
+    args = ["tune", "--dataset", DS, "--trials", "2", "--methods", "dp-sgd", "dp-sgda", "--jobs", "1",
+            "--confirm-top", "1", "--confirm-seeds", "2", "--root", str(root), "--configs", str(configs),
+            "--docs", str(docs)]
+    assert main(args) == 0
+    assert len(fake.calls) == 2 * (2 + 1)
+    assert (configs / "tuned" / f"{DS}-eps4-dp-sgda.toml").exists() and (configs / f"{DS}-eps4-best.toml").exists()
+    assert "(per method: 2 TPE trials of at most 500 iterations, top 1 confirmed on 2 seeds)" in (
+        docs / "TUNING.md").read_text()
+    assert main([*args[:3], "--trials", "1", *args[5:]]) == 2  # a smaller budget: a clear error, exit status 2

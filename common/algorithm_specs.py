@@ -139,7 +139,7 @@ declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
-          "lr-x", "lr-lambda", "rs-clip-units"),
+          "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp"),
     quantities=("kl-vu", "kl-g"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True)},
     # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records

@@ -274,6 +274,14 @@ FIELDS: tuple[Field, ...] = (
           "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("s-noise-ratio", "float", 2.0, "Noise multiplier of the s releases relative to the v/u releases.",
           low=0.0, low_open=True, high=1e3, role="privacy"),
+    Field("s-clip-units", "str", "absolute", "recursive-spider's s release: 'absolute' (clip-s bounds the STORM term "
+          "g~(w_t) - (1-beta) g~(w_{t-1}), noise std z clip-s / N) or 'relative' (the term is divided by the released "
+          "s_{t-1} before the clip and the mean multiplied back, so clip-s bounds a relative change and the noise is a "
+          "fixed fraction of s; ALGORITHMS.md 2.5).", choices=("absolute", "relative"), role="algorithm"),
+    Field("loss-clamp", "str", "hard", "How recursive-spider's KL terms bound the loss at loss-bound B: 'hard' "
+          "min(l, B) (records with l > B get zero gradient) or 'soft' B - softplus(B - l) (smooth, strictly "
+          "increasing, < B: every record keeps a gradient; g~ stays in (0, 1], so sensitivities are unchanged; "
+          "ALGORITHMS.md 2.4).", choices=("hard", "soft"), role="algorithm"),
     Field("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
           high=1e6, role="algorithm"),
     Field("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6,
@@ -282,6 +290,10 @@ FIELDS: tuple[Field, ...] = (
           "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     # optimisation
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000, role="algorithm"),
+    Field("warmup-iterations", "int", 0, "Linear warm-up of every step size (lr-x, lr-eta, lr-lambda, lr-p): "
+          "iteration t < W uses (t + 1) / W of each (0: off). Post-processing of released values, no privacy cost "
+          "(ALGORITHMS.md 5.5).",
+          low=0, high=10_000_000, role="algorithm"),
     Field("q", "int", 5, "SPIDER phase length: a refresh every q iterations, differences in between.",
           low=1, high=10_000_000, role="algorithm"),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "

@@ -34,6 +34,7 @@ class Problem:
     u_scale: float = 1.0
     clamp_weights: bool = False  # DRO weights of min(l, B) (dro-clip=weight-after-clip, eta-clip-rule=weight-bound)
     weight_cap: float = math.inf  # public cap W_cap of every DRO weight (config weight-cap)
+    soft_clamp: bool = False  # KL terms of B - softplus(B - l) instead of min(l, B) (loss-clamp=soft)
     offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
 
     @classmethod
@@ -41,7 +42,8 @@ class Problem:
         """The problem constants of a run's Config."""
         clamp = cfg.dro_clip == "weight-after-clip" or cfg.eta_clip_rule == "weight-bound"
         return cls(psi=make_psi(cfg.psi, cfg.cvar_alpha), lam=cfg.lambda_, eta_scale=cfg.eta_scale,
-                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=clamp, weight_cap=cfg.weight_cap)
+                   loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=clamp, weight_cap=cfg.weight_cap,
+                   soft_clamp=cfg.loss_clamp == "soft")
 
     def with_offset(self, offset: Sequence[float], dtype: torch.dtype, device: torch.device) -> Problem:
         """This problem with the logit offset of a query (empty: the plain cross-entropy)."""
@@ -174,32 +176,52 @@ def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tens
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
 
 
-def _kl_terms(losses: torch.Tensor, lam: float, bound: float) -> torch.Tensor:
-    """g~ = exp((min(l, B) - B) / lambda) in (0, 1] (ALGORITHMS.md 2.4): no data-dependent shift."""
-    return torch.exp((torch.clamp(losses, max=bound) - bound) / lam)
+def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:
+    """The bounded loss of the KL terms (ALGORITHMS.md 2.4), same shape and dtype as ``losses``.
+
+    Hard (loss-clamp=hard): min(l, B), flat beyond B, so a record with l > B gets zero gradient. Soft
+    (loss-clamp=soft): B - softplus(B - l), smooth and strictly increasing with slope sigmoid(B - l) in (0, 1),
+    below B everywhere and within log(1 + e^{-(B - l)}) <= e^{-(B - l)} of l below B: the hardest records keep
+    a gradient. Either way the result is <= B, so g~ = exp((clamped - B) / lambda) stays in (0, 1]."""
+    if soft:
+        return bound - torch.nn.functional.softplus(bound - losses)
+    return torch.clamp(losses, max=bound)
+
+
+def _kl_terms(losses: torch.Tensor, lam: float, bound: float, soft: bool = False) -> torch.Tensor:
+    """g~ = exp((clamped(l) - B) / lambda) in (0, 1] (ALGORITHMS.md 2.4): no data-dependent shift."""
+    return torch.exp((clamped_loss(losses, bound, soft) - bound) / lam)
 
 
 @register_quantity("kl-g")
 def kl_g(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
-    """g~(w; xi) per record, shape (B, 1), at w = (flat, lambda)."""
+    """k g~(w; xi) per record, shape (B, 1), at w = (flat, lambda), g~ in (0, 1] with either loss clamp.
+
+    k = extra[0] (default 1) is a public scale: 1 / s_{t-1} with s-clip-units=relative, so that clip-s bounds
+    a record's STORM term in units of the previous estimate s_{t-1} (sensitivity clip-s in those units; the
+    server multiplies the released mean by s_{t-1}; recursive_spider.py)."""
     with torch.no_grad():
         losses = model.losses(flat, x, y, problem.offset)
-    return _kl_terms(losses, lam, problem.loss_bound).unsqueeze(1)
+    out = _kl_terms(losses, lam, problem.loss_bound, problem.soft_clamp).unsqueeze(1)
+    return out * float(extra[0]) if extra else out
 
 
 @register_quantity("kl-vu")
 def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
-    """k [grad_x g~ ; c_u d_lambda g~] per record, shape (B, d + 1), with grad_x g~ = g~ grad l / lambda
-    (zero where l > B: the clamp is part of the model) and d_lambda g~ = g~ (B - min(l, B)) / lambda^2.
+    """k [grad_x g~ ; c_u d_lambda g~] per record, shape (B, d + 1), with grad_x g~ = g~ c'(l) grad l / lambda
+    and d_lambda g~ = g~ (B - c(l)) / lambda^2, c the loss clamp (``clamped_loss``): with loss-clamp=hard
+    c'(l) = 1[l <= B] (zero beyond B: the clamp is part of the model), with loss-clamp=soft
+    c'(l) = sigmoid(B - l) > 0 everywhere. Sensitivity is unchanged by the clamp (the client clips the row).
 
     k = extra[0] (default 1) is a public scale of the whole vector: with k = lambda_t / s_{t-1} the clip
     bound is in the units of the update z = lambda v / s (ALGORITHMS.md 5.4; config rs-clip-units=relative),
     and the server divides the released mean by k."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     losses = losses.detach()
-    g = _kl_terms(losses, lam, problem.loss_bound)
-    inside = (losses <= problem.loss_bound).to(g.dtype)
-    v = grads * (g * inside / lam).unsqueeze(1)
-    u = g * (problem.loss_bound - torch.clamp(losses, max=problem.loss_bound)) / lam**2
+    bound = problem.loss_bound
+    g = _kl_terms(losses, lam, bound, problem.soft_clamp)
+    slope = torch.sigmoid(bound - losses) if problem.soft_clamp else (losses <= bound).to(g.dtype)
+    v = grads * (g * slope / lam).unsqueeze(1)
+    u = g * (bound - clamped_loss(losses, bound, problem.soft_clamp)) / lam**2
     out = torch.cat([v, (problem.u_scale * u).unsqueeze(1)], dim=1)
     return out * float(extra[0]) if extra else out

@@ -177,7 +177,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     while state.t < cfg.iterations:
         t_before = state.t
         released = releaser.run(algo.queries(state), algo.versions(state))
-        state = algo.apply(state, released)
+        state = algo.advance(state, released)  # apply() under the step-size warm-up
         if state.t == t_before:
             continue
         progress.on_step(state.t)

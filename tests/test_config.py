@@ -55,6 +55,10 @@ BAD = [
     ("cvar-alpha", 1.0),
     ("seed", -1),
     ("accountant", "moments"),
+    ("warmup-iterations", -1),
+    ("warmup-iterations", 2.5),
+    ("s-clip-units", "percent"),
+    ("loss-clamp", "smooth"),
 ]
 
 

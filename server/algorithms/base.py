@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,20 @@ class State:
 
     def scalars_json(self) -> str:
         return json.dumps(self.to_arrays()[1], sort_keys=True)
+
+
+# The step sizes the warm-up scales: every config key that is a step size of some algorithm.
+STEP_SIZE_KEYS = ("lr-x", "lr-eta", "lr-lambda", "lr-p")
+
+
+def warmup_factor(t: int, warmup_iterations: int) -> float:
+    """The step-size factor of iteration t (0-based) under a linear warm-up over W = ``warmup_iterations``
+    (ALGORITHMS.md 5.5):
+    (t + 1) / W for t < W, 1 afterwards and when W = 0 (off). Depends on t and W only (public), so scaling
+    the steps is post-processing of released values and costs no privacy. ValueError for t or W < 0."""
+    if t < 0 or warmup_iterations < 0:
+        raise ValueError(f"warmup_factor: t and warmup-iterations must be >= 0, got {t} and {warmup_iterations}")
+    return min(1.0, (t + 1) / warmup_iterations) if warmup_iterations else 1.0
 
 
 class Algorithm(ABC):
@@ -121,6 +136,27 @@ class Algorithm(ABC):
     @abstractmethod
     def apply(self, state: State, released: dict[str, np.ndarray]) -> State:
         """The next state from the released noisy means (mechanism name -> (D,) float64)."""
+
+    def advance(self, state: State, released: dict[str, np.ndarray]) -> State:
+        """``apply`` with every step size (``STEP_SIZE_KEYS``) scaled by ``warmup_factor(state.t,
+        warmup-iterations)``: the one implementation of the warm-up, shared by every algorithm (the engine calls
+        this, never ``apply``). Only step sizes change, so queries, clips and the plan are those without warm-up."""
+        factor = warmup_factor(state.t, self.cfg.warmup_iterations)
+        if factor == 1.0:
+            return self.apply(state, released)
+        with self._scaled_step_sizes(factor):
+            return self.apply(state, released)
+
+    @contextmanager
+    def _scaled_step_sizes(self, factor: float):
+        # apply() reads its step sizes from self.cfg: swap in a copy with scaled steps for this one call
+        base = self.cfg
+        attrs = [k.replace("-", "_") for k in STEP_SIZE_KEYS]
+        self.cfg = dataclasses.replace(base, **{a: getattr(base, a) * factor for a in attrs})
+        try:
+            yield
+        finally:
+            self.cfg = base
 
     @abstractmethod
     def versions(self, state: State) -> dict[int, np.ndarray]:

@@ -26,6 +26,17 @@ rs-clip-units=relative (ALGORITHMS.md 5.4): each record's v/u vector is multipli
 (public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
 and clip-diff-max bound a record's contribution to the update z = lambda v / s itself, whatever the scale of
 g~ (which can be e^{-B/lambda}, far below 1). s_{-1} = 1.
+
+s-clip-units=relative (ALGORITHMS.md 2.5): the STORM term of s is released in units of the previous estimate,
+
+    m_t = noisy mean of clip_{C_s}((g~(w_t) - (1 - beta) g~(w_{t-1})) / s_{t-1}),
+    s_t = (1 - beta) s_{t-1} + s_{t-1} m_t          (t = 0: s_0 = s_{-1} m_0, m_0 of g~(w_0) / s_{-1}),
+
+so clip-s bounds a record's relative change of s and the noise std in s is z C_s s_{t-1} / N_s, a fixed
+fraction of s, instead of z C_s / N_s against an s of order e^{-B / lambda}. s_{t-1} is a released value
+(public), so this is the same sampled Gaussian mechanism with sensitivity C_s (post-processing of the scale).
+s_{-1} is then the public guess ``s_prior`` (g~ at the loss log K of a uniform prediction), not 1, and so is
+the unit of the first v/u release with rs-clip-units=relative.
 """
 
 from __future__ import annotations
@@ -77,17 +88,34 @@ class RecursiveSpider(Algorithm):
     def init_state(self, x0: np.ndarray) -> RecursiveSpiderState:
         x0 = np.asarray(x0, dtype=np.float64)
         lam = self.cfg.lambda_init
-        return RecursiveSpiderState(x=x0.copy(), x_prev=x0.copy(), lam=lam, lam_prev=lam, v=np.zeros_like(x0))
+        s0 = self.s_prior() if self.cfg.s_clip_units == "relative" else 1.0
+        return RecursiveSpiderState(x=x0.copy(), x_prev=x0.copy(), lam=lam, lam_prev=lam, v=np.zeros_like(x0),
+                                    s=s0, s_raw=s0)
+
+    def s_prior(self) -> float:
+        """s_{-1} with s-clip-units=relative: g~ = exp((min(log K, B) - B) / lambda_init), the KL term of a
+        record at the loss log K of a uniform prediction over the K classes. A public constant (K, B and
+        lambda-init are configuration), used only as the unit of the first releases; STORM forgets it at the
+        rate (1 - beta)^t."""
+        c = self.cfg
+        return math.exp((min(math.log(self.num_classes), c.loss_bound) - c.loss_bound) / c.lambda_init)
 
     def versions(self, state: RecursiveSpiderState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
+        """v/u: d + 1 coordinates. s with s-clip-units=absolute: one coordinate of weight w_storm (its geometric
+        tail). With s-clip-units=relative its noise is a relative error delta of s (std z C_s / N_s), and
+        delta reaches the update twice: it shifts z_lambda = log s + ... by delta and scales the model step
+        z_x = lambda v / s by (1 - delta), an error of norm delta |z_x| <= delta C_x when the v/u clips are in
+        the update's units too (rs-clip-units=relative); so its weight is w_storm (1 + C_x^2)
+        (server/allocation.py)."""
         c = self.cfg
         storm = 1.0 / (1.0 - (1.0 - c.beta) ** 2) if c.beta > 0 else float(c.iterations)
+        s_weight = storm * (1.0 + c.clip_x**2) if c.s_clip_units == "relative" else storm
         return {"vu-refresh": NoiseProfile(self.dim + 1, c.clip_x, c.q),
                 "vu-diff": NoiseProfile(self.dim + 1, c.clip_diff_max, c.q / 2),
-                "s": NoiseProfile(1, c.clip_s, storm)}
+                "s": NoiseProfile(1, c.clip_s, s_weight)}
 
     def spider_pairs(self) -> list[tuple[str, str]]:
         return [("vu-refresh", "vu-diff")]
@@ -95,6 +123,10 @@ class RecursiveSpider(Algorithm):
     def vu_scale(self, state: RecursiveSpiderState) -> float:
         """k_t of the v/u release: lambda_t / s_{t-1} with rs-clip-units=relative, else 1."""
         return state.lam / state.s if self.cfg.rs_clip_units == "relative" else 1.0
+
+    def s_scale(self, state: RecursiveSpiderState) -> float:
+        """The public scale of the s release's per-record term: 1 / s_{t-1} with s-clip-units=relative, else 1."""
+        return 1.0 / state.s if self.cfg.s_clip_units == "relative" else 1.0
 
     def queries(self, state: RecursiveSpiderState) -> list[Query]:
         c, t = self.cfg, state.t
@@ -109,10 +141,13 @@ class RecursiveSpider(Algorithm):
             clip = c.clip(min(c.clip_diff * dist, c.clip_diff_max))
             vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1, extra=extra)
         clip_s = c.clip(c.clip_s)
+        ks = self.s_scale(state)
+        s_extra = (ks,) if ks != 1.0 else ()
         if t == 0:
-            s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1)
+            s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1, extra=s_extra)
         else:
-            s = Query(t, "s", "kl-g", (now, before), self.rate(c.s_batch), clip_s, 1, coefs=(1.0, -(1.0 - c.beta)))
+            s = Query(t, "s", "kl-g", (now, before), self.rate(c.s_batch), clip_s, 1, coefs=(1.0, -(1.0 - c.beta)),
+                      extra=s_extra)
         return [vu, s]
 
     def apply(self, state: RecursiveSpiderState, released: dict[str, np.ndarray]) -> RecursiveSpiderState:
@@ -126,7 +161,9 @@ class RecursiveSpider(Algorithm):
             vu = released["vu-diff"] / k
             v, cu = state.v + vu[:-1], state.u * c.u_scale + vu[-1]
         u = float(cu) / c.u_scale
-        s_raw = float(released["s"][0]) + (0.0 if state.t == 0 else (1.0 - c.beta) * state.s)
+        # the released STORM term, back in the units of s (s_scale is 1 / s_{t-1} in relative units)
+        term = float(released["s"][0]) / self.s_scale(state)
+        s_raw = term + (0.0 if state.t == 0 else (1.0 - c.beta) * state.s)
         s_t = max(s_raw, c.s_min)
         z_x = state.lam * v / s_t
         z_lam = math.log(s_t) + c.rho + state.lam * u / s_t

@@ -110,13 +110,13 @@ _LR_SPIDER = FloatRange(0.5, 8.0, log=True)
 _Q = Choice((1, 3, 5))
 _LAMBDA = FloatRange(0.25, 4.0, log=True)
 _LR_ETA = FloatRange(0.02, 0.5, log=True)  # fixed at 0.1 before issue 22: the dual step is a lever too
-# TODO(issue 22 item 1, STABILISER): add the stabiliser ("warmup-iterations": IntRange(0, 200, step=25)) to
-# _levers once the warm-up key has landed on main (helper dro-rs); every method gets it through _levers.
+# The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
+_WARMUP = IntRange(0, 200, step=25)
 
 
 def _levers(lr_x: FloatRange, tau: FloatRange | None = _TAU) -> dict[str, SearchDimension]:
     """The levers every method's space shares (tau None: logit adjustment is not a lever of the method)."""
-    return {"lr-x": lr_x, "refresh-batch": _BATCH, "posthoc-tau": _POSTHOC_TAU,
+    return {"lr-x": lr_x, "refresh-batch": _BATCH, "posthoc-tau": _POSTHOC_TAU, "warmup-iterations": _WARMUP,
             **({"logit-adjust-tau": tau} if tau is not None else {})}
 
 

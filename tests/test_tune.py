@@ -94,7 +94,7 @@ def test_tpe_search_is_seeded_and_reproducible(tmp_path, fake):
     a, b, c = (_params(tmp_path / r, "dp-sgd") for r in "abc")
     assert len(a) == trials and a == b and a[:2] != c
     assert len({json.dumps(p, sort_keys=True) for p in a}) == trials
-    assert set(a[0]) == set(tune.SPACES["dp-sgd"]) == {"lr-x", "refresh-batch", "posthoc-tau"}
+    assert set(a[0]) == set(tune.SPACES["dp-sgd"]) == {"lr-x", "refresh-batch", "posthoc-tau", "warmup-iterations"}
 
 
 def test_interrupted_search_resumes_without_rerunning_a_trial(tmp_path, monkeypatch):
@@ -206,7 +206,7 @@ def test_search_record_refuses_a_changed_seed_or_a_smaller_budget(tmp_path, fake
 
 
 def test_every_method_searches_the_same_levers():
-    levers = {"lr-x", "refresh-batch", "posthoc-tau"}
+    levers = {"lr-x", "refresh-batch", "posthoc-tau", "warmup-iterations"}
     for method, space in tune.SPACES.items():
         assert levers <= set(space), method
         assert ("logit-adjust-tau" in space) == (method != "dp-sgd"), method  # dp-sgd with tau > 0 is dp-sgd-la

@@ -103,6 +103,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the privacy plan of a configuration without training: every release kind with its count, sampling
+    rate and calibrated noise multiplier, delta, and the planned epsilon under both accountants. Loads the
+    training split only to count its records (n, treated as public)."""
+    from dpdro.client.local_transport import LocalTransport
+    from dpdro.common.data import load_from_config
+    from dpdro.common.models import make_model, resolve_model
+    from dpdro.common.per_sample import FlatModel
+    from dpdro.server.algorithms import make_algorithm
+    from dpdro.server.engine import plan_run, resolve_delta
+    from dpdro.server.ledger import epsilon_of
+
+    cfg = config_from_args(args)
+    train_set = load_from_config(cfg, train=True)
+    n = LocalTransport(cfg, train_set).num_records
+    dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed)).dim
+    delta = resolve_delta(cfg, n)
+    plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes), n, delta)
+    print(f"{cfg.algorithm} on {cfg.dataset}: n = {n} training records, {cfg.iterations} iterations, "
+          f"epsilon target {cfg.epsilon}, delta {delta:.3g}, accountant {cfg.accountant}")
+    print(f"{'release':<16}{'count':>7}{'sampling rate':>15}{'noise multiplier':>18}")
+    for m, k in plan.items():
+        print(f"{m.name:<16}{k:>7}{m.rate:>15.4g}{noise[m.name]:>18.4f}")
+    if cfg.private:
+        counts: dict = {}
+        for m, k in plan.items():
+            counts[(m.rate, noise[m.name])] = counts.get((m.rate, noise[m.name]), 0) + k
+        print("planned epsilon: " + ", ".join(f"{acc} {epsilon_of(counts, delta, acc):.4f}" for acc in ("pld", "rdp")))
+    return 0
+
+
 def _print_summary(s: dict, out_dir: str) -> None:
     eps = s["epsilon_spent"]
     private = "" if s["private"] else "  (NOT PRIVATE: epsilon=inf)"
@@ -307,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--app", default=".", help="Flower app directory (the project root)")
             s.add_argument("--quiet", action="store_true", help="do not stream the run's log")
+    s = sub.add_parser("plan", help="print the releases, sampling rates, calibrated noise multipliers and planned "
+                       "epsilon of a configuration, without training")
+    s.add_argument("--config", help="TOML file of configuration keys")
+    s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
     sub.add_parser("keys", help="list configuration keys")
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
@@ -423,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     from dpdro.common.data import DataError
     from dpdro.common.models import ModelError
 
-    handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "sweep": cmd_sweep,
+    handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "plan": cmd_plan, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
                 "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
     handlers["bench"] = cmd_bench

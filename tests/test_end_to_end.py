@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import SMALL
 
 from dpdro.client.local_transport import LocalTransport
 from dpdro.common.data import load_from_config
@@ -158,3 +159,20 @@ def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_sup
     assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
     assert summary["test_accuracy"] == local.summary["test_accuracy"]
     assert summary["releases"] == local.summary["releases"]
+
+
+def test_plan_prints_the_calibrated_noise_a_run_then_uses(small_config, capsys):
+    """`dpdro plan` prints what `dpdro train` will release: the same noise multipliers and delta, and a
+    planned epsilon within 1% below the target under the run's accountant."""
+    from dpdro.cli import main
+
+    cfg = small_config(epsilon=2.0)
+    keys = [f"{k}={v}" for k, v in SMALL.items()] + ["epsilon=2.0", f"out-dir={cfg.out_dir}"]
+    assert main(["plan", "--set", *keys]) == 0
+    out = capsys.readouterr().out
+    assert "n = 3000 training records" in out and "delta 3.33e-05" in out  # auto: 1/(10 n)
+    planned = float(out.split("planned epsilon: pld ")[1].split(",")[0])
+    assert 0.99 * 2.0 <= planned <= 2.0
+    summary = run_local(cfg).summary
+    for name, z in summary["noise_multipliers"].items():
+        assert f"{z:.4f}" in out, name

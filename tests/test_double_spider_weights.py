@@ -182,3 +182,16 @@ def test_run_events_record_the_capped_sensitivity(tmp_path):
             assert e["clip"] == pytest.approx(0.5 * 2.0, rel=1e-12)
         else:
             assert e["clip"] == pytest.approx(1.0, rel=1e-12)  # G max(1, 2 - 1)
+
+
+def test_double_spider_honours_the_generic_warmup_in_both_blocks():
+    """warmup-iterations 4: iteration 0 moves eta and x by 1/4 of the steps of the same releases without it (the
+    engine calls ``advance``; DSS reads lr-eta and lr-x at apply time, so the generic warm-up reaches both)."""
+    warm = make_algorithm(private_cfg(**{"warmup-iterations": 4, "lr-x": 2.0, "lr-eta": 0.4}), 100, DIM)
+    plain = make_algorithm(private_cfg(**{"lr-x": 0.5, "lr-eta": 0.1}), 100, DIM)
+    s_warm, s_plain = warm.init_state(np.zeros(DIM)), plain.init_state(np.zeros(DIM))
+    for released in ({"eta-refresh": np.array([-0.7])}, {"x-refresh": np.array([0.3, -0.1, 0.2])}):
+        s_warm, s_plain = warm.advance(s_warm, released), plain.apply(s_plain, released)
+    assert s_warm.eta == pytest.approx(s_plain.eta, rel=1e-15) and s_warm.eta == pytest.approx(2.0 + 0.07)
+    np.testing.assert_allclose(s_warm.x, s_plain.x, rtol=1e-15)
+    np.testing.assert_allclose(s_warm.x, [-0.15, 0.05, -0.1], rtol=1e-15)

@@ -68,9 +68,9 @@ def _progress_bar(total: int, start: int = 0):
 
     def on_eval(row: dict) -> None:
         eps = row["epsilon_spent"]
-        bar.set_postfix_str(f"eps={eps:.3f} acc={row['test_accuracy']:.4f} "
-                            f"worst={row['worst_class_accuracy']:.4f}" if eps != math.inf else
-                            f"eps=inf acc={row['test_accuracy']:.4f} worst={row['worst_class_accuracy']:.4f}")
+        shown = "inf" if eps == math.inf else f"{eps:.3f}"  # the last evaluation's, not the live spend
+        bar.set_postfix_str(f"at iteration {row['iteration']}: eps={shown} acc={row['test_accuracy']:.4f} "
+                            f"worst={row['worst_class_accuracy']:.4f}")
         bar.write(f"iteration {row['iteration']:>6}  epsilon {eps:.4f}  test accuracy {row['test_accuracy']:.4f}  "
                   f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
 

@@ -148,11 +148,8 @@ def resolve_cache_dir(value: str) -> Path:
 
 
 def _md5(path: Path) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: bool,

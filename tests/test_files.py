@@ -181,23 +181,11 @@ def test_continue_keys_of_unfinished_runs(tmp_path, finished_run):
     assert rundir.continue_keys(finished_run) == {"overwrite": True}
 
 
-def test_a_stopped_run_resumes_through_continue_keys(tmp_path):
+def test_a_stopped_run_resumes_through_continue_keys(tmp_path, stopped_run):
     """What a sweep does with an unfinished run: resume it from its checkpoint; it ends like an uninterrupted
     run (reproducible mode)."""
     full = run_tiny(tiny_cfg(tmp_path / "full", iterations=4, eval_every=1))
-
-    class Stop(Exception):
-        pass
-
-    class StopsAt3(LocalTransport):
-        def run(self, queries, versions):
-            if queries[0].iteration >= 3:
-                raise Stop
-            return super().run(queries, versions)
-
-    cfg = tiny_cfg(tmp_path / "part", iterations=4, eval_every=1)
-    with pytest.raises(Stop):
-        train(cfg, StopsAt3(cfg, tiny_data()), tiny_data())
+    cfg = stopped_run
     keys = rundir.continue_keys(cfg.out_dir)
     assert keys == {"resume": True}
     resumed = run_tiny(cfg.with_updates(keys), resume=True)

@@ -17,9 +17,10 @@ The test split is unchanged.
 
 Inputs are scaled with the fixed, data-independent map x / 255 * 2 - 1 (no statistic of private data).
 
-CIFAR-10 is read from torchvision's on-disk format (``<root>/cifar-10-batches-py/``, python pickles) by a
-small reader of our own, so that the same code reads the real files and test fixtures; ``download=true``
-fetches the real files with torchvision (which checks their md5).
+CIFAR-10 is read by torchvision's ``CIFAR10`` class from its on-disk format (``<root>/cifar-10-batches-py/``,
+python pickles, read in place: ``../shared/datasets`` holds the byte-exact files); its md5 check of every file it
+lists (five training batches, the test batch, batches.meta) is the integrity check, and a failing check is a
+DataError naming each bad file. ``download=true`` fetches the files with torchvision into the cache.
 
 CelebA (Sagawa et al. 2020): target Blond_Hair, group attribute Male, 4 groups (target x group), inputs
 resized to ``CELEBA_SIZE`` x ``CELEBA_SIZE``. With the full data set under ``<root>/celeba/`` torchvision's
@@ -234,36 +235,52 @@ CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = ["test_batch"]
 
 
-def read_cifar_batches(folder: Path, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read CIFAR-10 python batches (pickles with b'data' (N, 3072) uint8 and b'labels'), in file order.
-    Returns uint8 (N, 3, 32, 32) and int64 (N,). Raises DataError for a missing or unreadable batch."""
-    images, labels = [], []
-    for name in names:
+def cifar_file_problems(folder: Path) -> list[str]:
+    """What is wrong with the CIFAR-10 files in ``folder`` (``<root>/cifar-10-batches-py``), judged by
+    torchvision's own list of files and md5s (``CIFAR10.train_list``, ``test_list``, ``meta``): one
+    '<path> is missing' or '<path> does not match torchvision's md5 <md5>' per bad file; [] when all are intact."""
+    from torchvision import datasets
+    from torchvision.datasets.utils import check_integrity
+
+    tv = datasets.CIFAR10
+    problems = []
+    for name, md5 in [*tv.train_list, *tv.test_list, (tv.meta["filename"], tv.meta["md5"])]:
         path = folder / name
-        try:
-            with open(path, "rb") as f:
-                entry = pickle.load(f, encoding="bytes")
-            data = np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-            lab = np.asarray(entry.get(b"labels", entry.get(b"fine_labels")), dtype=np.int64)
-        except (OSError, EOFError, pickle.UnpicklingError, KeyError, ValueError, TypeError) as e:
-            raise DataError(f"cannot read CIFAR-10 batch {path} ({type(e).__name__}: {e}): it is truncated or not "
-                            "the original file; replace it (or delete it if it is in the cache)") from None
-        images.append(data)
-        labels.append(lab)
-    return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif not check_integrity(str(path), md5):
+            problems.append(f"{path} does not match torchvision's md5 {md5} (truncated or not the original file)")
+    return problems
+
+
+def _read_cifar10(root: Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split read by torchvision's ``CIFAR10(root, download=False)``, whose md5 check of every file is the
+    integrity check. Returns uint8 (N, 3, 32, 32) in file order and int64 (N,). DataError names each bad file."""
+    from torchvision import datasets
+
+    try:
+        ds = datasets.CIFAR10(str(root), train=train, download=False)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError) as e:
+        problems = cifar_file_problems(root / CIFAR_DIR) or [f"{type(e).__name__}: {e}"]
+        raise DataError(f"cannot read CIFAR-10 from {root / CIFAR_DIR}: " + "; ".join(problems)
+                        + ". Replace the damaged files with the originals (or delete them if they are in the cache); "
+                        "the data root is never written") from None
+    images = np.ascontiguousarray(np.asarray(ds.data, dtype=np.uint8).transpose(0, 3, 1, 2))  # HWC -> CHW
+    return torch.from_numpy(images), torch.as_tensor(ds.targets, dtype=torch.int64)
 
 
 def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool, cache_fallback: bool):
+    # lookup order as for the other data sets: the data root, its CIFAR10/ folder, then (data-root=auto only) the cache
     names = CIFAR_TRAIN if train else CIFAR_TEST
     for root in (data_root, data_root / "CIFAR10") + ((cache_dir,) if cache_fallback else ()):
         if all((root / CIFAR_DIR / n).is_file() for n in names):
-            return read_cifar_batches(root / CIFAR_DIR, names)
+            return _read_cifar10(root, train)
     if download:
         from torchvision import datasets
 
         cache_dir.mkdir(parents=True, exist_ok=True)
-        datasets.CIFAR10(str(cache_dir), train=train, download=True)
-        return read_cifar_batches(cache_dir / CIFAR_DIR, names)
+        datasets.CIFAR10(str(cache_dir), train=train, download=True)  # checks the archive's and files' md5s
+        return _read_cifar10(cache_dir, train)
     cached = f" and {cache_dir}/{CIFAR_DIR}/" if cache_fallback else ""
     raise DataError(f"CIFAR-10 not found: looked for {data_root}/{CIFAR_DIR}/, {data_root}/CIFAR10/{CIFAR_DIR}/"
                     f"{cached} with {', '.join(names)}. Point 'data-root' at a folder holding "

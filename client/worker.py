@@ -44,7 +44,8 @@ class ShardWorker:
         self.x = shard.x.to(self.device, self.dtype)
         self.y = shard.y.to(self.device)
         name = resolve_model(cfg.model, cfg.dataset)
-        self.model = FlatModel(make_model(name, shard.num_classes, cfg.seed, self.dtype).to(self.device))
+        self.model = FlatModel(make_model(name, shard.num_classes, cfg.seed, self.dtype,
+                                                tuple(shard.x.shape[1:])).to(self.device))
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
         self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
-from .registry import AUTO  # re-exported: config.AUTO is the public name
+from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
 # 'runtime' how a run executes, not what it computes (a resumed run may change it); 'privacy' the target, the
@@ -38,9 +38,10 @@ class Field:
 
     kind: "int", "float", "bool" or "str". ``choices`` restricts a str: a tuple, or a function returning one
     (the names of a plug-in registry, read when a value is checked, so that a plug-in registered later is
-    allowed). ``low``/``high`` bound a number (``low_open``/``high_open`` make the bound strict). ``auto`` allows
-    the string "auto" (meaning: derived, see help). ``allow_inf`` allows +inf for a float. ``role`` (one of
-    ``ROLES``) says what the key changes; the key lists of the engine and the client derive from it.
+    allowed); with ``entry_point`` also an import path 'package.module:attribute' (user code, checked by
+    ``Config`` validation). ``low``/``high`` bound a number (``low_open``/``high_open`` make the bound strict).
+    ``auto`` allows the string "auto" (meaning: derived, see help). ``allow_inf`` allows +inf for a float.
+    ``role`` (one of ``ROLES``) says what the key changes; the key lists of the engine and the client derive from it.
     """
 
     key: str
@@ -55,6 +56,7 @@ class Field:
     auto: bool = False
     allow_inf: bool = False
     role: str = ""
+    entry_point: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -75,7 +77,8 @@ class Field:
         if self.kind == "bool":
             return "true or false"
         if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.options)
+            more = " or an import path 'package.module:name'" if self.entry_point else ""
+            return "one of " + ", ".join(repr(c) for c in self.options) + more
         if self.kind == "str":
             return "a string" + (" or 'auto'" if self.auto else "")
         lo = "-inf" if self.low is None else f"{self.low:g}"
@@ -108,7 +111,8 @@ class Field:
         if self.kind == "str":
             if not isinstance(value, str):
                 raise fail()
-            if self.choices is not None and value not in self.options:
+            if self.choices is not None and value not in self.options and not (
+                    self.entry_point and is_entry_point(value)):
                 raise fail()
             return value
         if isinstance(value, bool):
@@ -171,11 +175,14 @@ PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
-    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2).",
-          choices=_dataset_names, role="data"),
-    Field("data-root", "str", AUTO, "Folder holding <Name>/raw/ in torchvision's layout (.gz or extracted). "
-          "'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache.", auto=True,
-          role="data"),
+    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
+          "and 'image-folder' read your own files (README: your own data); 'package.module:function' calls your "
+          "function (split, data_root) -> (x, y[, groups]) or a Dataset.", choices=_dataset_names, role="data",
+          entry_point=True),
+    Field("data-root", "str", AUTO, "Built-in data sets: folder holding <Name>/raw/ in torchvision's layout (.gz or "
+          "extracted); 'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache. "
+          "dataset=csv: a .csv file or a folder with train.csv [test.csv]; dataset=image-folder: a folder of "
+          "class sub-folders, or with train/ [test/] holding them.", auto=True, role="data"),
     Field("cache-dir", "str", AUTO, "Writable folder for decompressed data. 'auto': $DPDRO_CACHE_DIR, "
           "else ~/.cache/dpdro.", auto=True, role="data"),
     Field("download", "bool", False, "Let torchvision download missing data into the cache (needs internet).",
@@ -192,6 +199,16 @@ FIELDS: tuple[Field, ...] = (
     Field("validation-fraction", "float", 0.0, "Fraction of the training records held out as a validation split "
           "(stratified by class, seeded by split-seed; never trained on). 0: none. The CelebA subset has its own "
           "fixed 10% validation split, so this key must stay 0 there.", low=0.0, high=0.5, high_open=True, role="data"),
+    Field("classes", "str", "", "User data (csv, image-folder, an entry point): comma-separated class names in "
+          "label order ('' = from the training split: its sorted labels or class folders). Declare them when nodes "
+          "hold different files, so that every node maps labels alike.", role="data"),
+    Field("csv-label", "str", "label", "dataset=csv: the label column.", role="data"),
+    Field("csv-features", "str", "", "dataset=csv: comma-separated feature columns ('' = every column but the "
+          "label and group columns); cells must be numbers.", role="data"),
+    Field("csv-group", "str", "", "dataset=csv: a group column for worst-group accuracy ('' = none).", role="data"),
+    Field("csv-bounds", "str", "", "dataset=csv: the public range of every feature, 'lo:hi' for all, "
+          "'name=lo:hi,...' per column, or both ('0:1,age=0:120'); features are clipped to it and scaled to "
+          "[-1, 1]. Declared, never computed from the records.", role="data"),
     Field("eval-split", "str", "test", "Split evaluated during and after training: 'test' (public) or "
           "'validation' (held-out training records, for tuning: their metrics are not privacy-accounted).",
           choices=("test", "validation"), role="data"),
@@ -201,8 +218,9 @@ FIELDS: tuple[Field, ...] = (
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
     Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'resnet20' (GroupNorm ResNet20, "
-          "3x32x32), 'cnn64' (GroupNorm CNN, 3x64x64); 'auto' picks the data set's.",
-          choices=_model_names, role="algorithm"),
+          "3x32x32), 'cnn64' (GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
+          "CNN, any CxHxW); 'auto' picks the data set's; 'package.module:factory' builds your nn.Module "
+          "(factory(num_classes[, input_shape=...])).", choices=_model_names, role="algorithm", entry_point=True),
     # DRO problem
     Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
           role="algorithm"),
@@ -472,7 +490,24 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                               f"max-train-records ({self.max_train_records})")
         from .data import DATASETS  # late: data.py imports this module (and torch)
 
-        own_validation = DATASETS[self.dataset].own_validation
+        try:  # an import path is imported here: its error before any work
+            spec = DATASETS.get_entry(self.dataset)
+        except ValueError as e:
+            raise ConfigError(f"config key 'dataset': {e}") from None
+        if spec.check is not None:  # the data set's own keys (their syntax; the files are read later)
+            values = self.to_dict()
+            try:
+                spec.check({k: values[k] for k in spec.keys})
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if is_entry_point(self.model):
+            from .models import MODELS  # late: torch
+
+            try:
+                MODELS.get_entry(self.model)
+            except ValueError as e:
+                raise ConfigError(f"config key 'model': {e}") from None
+        own_validation = spec.own_validation
         if own_validation and self.validation_fraction > 0:
             raise ConfigError(f"config key 'validation-fraction': got {self.validation_fraction}; allowed for "
                               f"{self.dataset}: 0 only (the data set has its own fixed validation split)")

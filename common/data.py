@@ -37,21 +37,22 @@ import logging
 import os
 import pickle
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from . import tabular_data
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
+from .data_types import DataError, LoadedSplit, stratified_split
 from .registry import AUTO, Registry
 
+__all__ = ["DataError", "LoadedSplit", "stratified_split"]  # re-exported: the names loaders and callers use
+
 log = logging.getLogger(__name__)
-
-
-class DataError(FileNotFoundError):
-    """Data could not be found or read; the message says where it looked and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class ArrayDataset:
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)
 
 
-Loader = Callable[[str, Path, Path, bool, int], "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]"]
+Loader = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | LoadedSplit"]
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,18 @@ class DatasetSpec:
     """Declaration of one data set (an entry of ``DATASETS``).
 
     load(split, data_root, cache_dir, download, split_seed) -> (images, labels, groups): uint8 images (N, H, W) or
-    (N, C, H, W), int64 labels (N,) in [0, num_classes), and int64 groups (N,) in [0, num_groups) or None; ``split``
+    (N, C, H, W), int64 labels (N,) in [0, num_classes), and int64 groups (N,) in [0, num_groups) or None; or a
+    ``LoadedSplit`` (float32 records already scaled by public constants, its own number of classes); ``split``
     is 'train' or 'test', or also 'val' when ``own_validation``. Raises DataError when files are missing.
+    With ``with_options`` it gets a sixth argument: {key: config value} of its ``keys``.
+    num_classes: 0 when the loader says (user data: the classes of its files or config key ``classes``).
     long_tailed: the training split is made long-tailed by the '-ST' rule (config key imbalance-ratio).
     own_validation: the data set has its own validation split (config validation-fraction must stay 0).
     default_model: the model config key model='auto' picks (a name in ``common.models.MODELS``).
     keys: config keys the data set reads beyond those every data set reads (data-root, cache-dir, download,
     max-*-records, validation-fraction, split-seed); all of role 'data' (tests/test_registries.py).
+    check: checks those keys' values before any file is read (ValueError naming the key); config validation
+    calls it.
     """
 
     load: Loader
@@ -100,9 +106,72 @@ class DatasetSpec:
     own_validation: bool = False
     num_groups: int = 0
     keys: tuple[str, ...] = ()
+    with_options: bool = False
+    check: Callable[[Mapping[str, Any]], None] | None = None
 
 
-DATASETS: Registry[DatasetSpec] = Registry("dataset")
+def _entry_point_spec(obj: Any, path: str) -> DatasetSpec:
+    """The data set of config value dataset='package.module:attribute': a ``DatasetSpec`` as it is, or a function
+    ``fn(split, data_root)`` (split 'train' or 'test', data_root a Path: config key data-root) returning (x, y),
+    (x, y, groups) as tensors or arrays, or a torch ``Dataset`` of (x, y) items. uint8 x are images (mapped by
+    x / 255 * 2 - 1), float x are used as they are (scale them by public constants, never by statistics of the
+    records). Classes: config key ``classes``, else 0 .. max training label. Default model: mlp."""
+    if isinstance(obj, DatasetSpec):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"dataset {path!r} is a {type(obj).__name__}; expected a function (split, data_root) -> "
+                         "(x, y[, groups]) or a Dataset, or a DatasetSpec")
+
+    def load(split, data_root, cache_dir, download, split_seed, options):
+        return _call_entry_point(obj, path, split, data_root, options)
+
+    return DatasetSpec(load, 0, "mlp", keys=("classes",), with_options=True)
+
+
+def _as_tensor(value: Any, what: str, path: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DataError(f"dataset {path!r}: its {what} cannot be made a tensor ({e})") from None
+
+
+def _call_entry_point(fn: Callable, path: str, split: str, data_root: Path, options: Mapping[str, Any]) -> LoadedSplit:
+    """Call a user data function for ``split`` and check what it returns (DataError naming the function)."""
+    from .data_types import declared_classes
+
+    def call(s: str):
+        out = fn(s, data_root)
+        if isinstance(out, torch.utils.data.Dataset):
+            items = [out[i] for i in range(len(out))]
+            if not items:
+                raise DataError(f"dataset {path!r}: its {s} Dataset is empty")
+            out = tuple(torch.stack([torch.as_tensor(it[j]) for it in items]) for j in range(len(items[0])))
+        if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+            raise DataError(f"dataset {path!r}: {s} returned a {type(out).__name__}; expected (x, y), (x, y, groups) "
+                            "or a Dataset of (x, y) items")
+        x, y = _as_tensor(out[0], "x", path), _as_tensor(out[1], "y", path)
+        g = _as_tensor(out[2], "groups", path).long() if len(out) == 3 and out[2] is not None else None
+        if y.dim() != 1 or len(x) != len(y) or (g is not None and g.shape != y.shape):
+            raise DataError(f"dataset {path!r}: {s} returned x {tuple(x.shape)}, y {tuple(y.shape)}; expected x "
+                            "(N, ...), y (N,) and groups (N,) for the same N records")
+        if x.dtype != torch.uint8:
+            x = x.to(torch.float32)
+        if y.is_floating_point() or y.dtype == torch.bool or (len(y) and int(y.min()) < 0):
+            raise DataError(f"dataset {path!r}: {s} labels must be integers >= 0 (class indices), got {y.dtype}")
+        return x, y.long(), g
+
+    x, y, g = call(split)
+    classes = declared_classes(options["classes"])
+    train_y = y if split == "train" else call("train")[1]
+    k = len(classes) or int(train_y.max()) + 1
+    if len(y) and int(y.max()) >= k:
+        where = "the declared classes (config key 'classes')" if classes else "the training split's labels"
+        raise DataError(f"dataset {path!r}: the {split} split has label {int(y.max())}, beyond {where} (0 .. {k - 1}): "
+                        "more classes than in training")
+    return LoadedSplit(x, y, g, k, int(g.max()) + 1 if g is not None and len(g) else 0)
+
+
+DATASETS: Registry[DatasetSpec] = Registry("dataset", entry_point=_entry_point_spec)
 
 # Whether the built-in loaders may read the cache's copies of files the data root lacks: only for
 # data-root=auto. Set by ``load_dataset`` around each call (a ContextVar keeps the Loader signature of
@@ -306,21 +375,6 @@ def read_celeba_attributes(path: Path) -> tuple[list[str], np.ndarray, list[str]
     return names, (np.asarray(values, dtype=np.int8) + 1) // 2, header
 
 
-def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
-    """Split indices so that every group is cut by ``fractions`` (rounded, the last part takes the rest),
-    after a seeded shuffle within each group. Returns one sorted int64 index array per fraction."""
-    from .rng import derived_rng
-
-    rng = derived_rng(seed, "stratified-split")
-    parts: list[list[np.ndarray]] = [[] for _ in fractions]
-    for g in np.unique(groups):
-        idx = rng.permutation(np.flatnonzero(groups == g))
-        cuts = np.round(np.cumsum(fractions)[:-1] * len(idx)).astype(np.int64)
-        for i, piece in enumerate(np.split(idx, cuts)):
-            parts[i].append(piece)
-    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
-
-
 def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Images (N, 3, S, S) uint8, Blond_Hair (N,) and Male (N,) of the resized subset, decoded once and
     cached in cache_dir (the images are centre-cropped to 89x89, then resized to S x S, bilinear)."""
@@ -415,20 +469,23 @@ def even_subset(n: int, k: int) -> np.ndarray:
 
 
 def _to_float(images: torch.Tensor) -> torch.Tensor:
+    if images.is_floating_point():  # records a loader already scaled by public constants
+        return images.to(torch.float32)
     x = images.to(torch.float32) / 255.0 * 2.0 - 1.0
     return x.unsqueeze(1) if x.dim() == 3 else x
 
 
 def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cache_dir: str = AUTO,
                  download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0,
-                 split_seed: int = 0, validation_fraction: float = 0.0) -> ArrayDataset:
+                 split_seed: int = 0, validation_fraction: float = 0.0,
+                 options: Mapping[str, Any] | None = None) -> ArrayDataset:
     """Load a split of ``dataset`` (a name in ``DATASETS``) as an ArrayDataset.
 
     ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for the
     validation split: the data set's own (CelebA), or for the others the ``validation_fraction`` of the training
     split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
-    excludes. Raises ValueError for an unknown dataset or split and DataError when files are missing or
-    corrupt.
+    excludes. ``options``: {key: value} of the data set's ``keys`` for a loader ``with_options`` (user data).
+    Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt.
     """
     spec = DATASETS.get_entry(dataset)
     split = {True: "train", False: "test"}.get(train, train)
@@ -440,20 +497,23 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     files = split if spec.own_validation or split == "test" else "train"
     token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
     try:
-        images, labels, groups = spec.load(files, root, cache, download, split_seed)
+        extra = (dict(options or {}),) if spec.with_options else ()
+        images, labels, groups, num_classes, num_groups = LoadedSplit(*spec.load(files, root, cache, download,
+                                                                               split_seed, *extra))
     finally:
         _CACHE_FALLBACK.reset(token)
+    num_classes, num_groups = num_classes or spec.num_classes, num_groups or spec.num_groups
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
     if split in ("train", "val") and not spec.own_validation:
         if spec.long_tailed:
-            idx = long_tailed_indices(labels_np, spec.num_classes, imbalance_ratio)
+            idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
         if validation_fraction > 0:
             idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
     t = torch.as_tensor(idx)
-    return ArrayDataset(_to_float(images[t]), labels[t].clone(), spec.num_classes, dataset,
-                        None if groups is None else groups[t].clone(), spec.num_groups if groups is not None else 0)
+    return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
+                        None if groups is None else groups[t].clone(), num_groups if groups is not None else 0)
 
 
 def _torchvision_loader(class_name: str) -> Loader:
@@ -477,6 +537,9 @@ register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "resnet20", long
                                            keys=("imbalance-ratio",)))
 register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
+# ---- user data (README "Your own data"): classes from the files or config key 'classes' ----
+register_dataset("csv", DatasetSpec(tabular_data.load, 0, "mlp", keys=tabular_data.KEYS, with_options=True,
+                                    check=tabular_data.check_options))
 
 
 def data_missing(cfg) -> str | None:
@@ -512,7 +575,9 @@ def load_from_config(cfg, train: bool | str) -> ArrayDataset:
     split = {False: "eval", True: "train"}.get(train, train)
     if split == "eval":
         split = "val" if cfg.eval_split == "validation" else "test"
+    values = cfg.to_dict()
     return load_dataset(cfg.dataset, split, data_root=cfg.data_root, cache_dir=cfg.cache_dir,
                         download=cfg.download, imbalance_ratio=cfg.imbalance_ratio,
                         max_records=cfg.max_train_records if split == "train" else cfg.max_test_records,
-                        split_seed=cfg.split_seed, validation_fraction=cfg.validation_fraction)
+                        split_seed=cfg.split_seed, validation_fraction=cfg.validation_fraction,
+                        options={k: values[k] for k in DATASETS.get_entry(cfg.dataset).keys})

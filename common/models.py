@@ -6,20 +6,34 @@ per-record sensitivity no longer exists (ALGORITHMS.md 5.3, item 8). Only GroupN
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .registry import Registry
 
-# name -> factory(num_classes) -> nn.Module (config key ``model``); a model is one class with ``register_model``.
-MODELS: Registry[Callable[[int], nn.Module]] = Registry("model")
+
+def _entry_point_factory(obj: Any, path: str) -> Callable[..., nn.Module]:
+    """The factory of config value model='package.module:factory' (an nn.Module class or a function)."""
+    if not callable(obj):
+        raise ValueError(f"model {path!r} is a {type(obj).__name__}; expected an nn.Module class or a function "
+                         "factory(num_classes[, input_shape]) returning an nn.Module")
+    return obj
+
+
+# name -> factory(num_classes[, input_shape=...]) -> nn.Module (config key ``model``); a model is one class with
+# ``register_model``; config value 'package.module:factory' names user code (``get_entry`` imports it).
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model", entry_point=_entry_point_factory)
 
 
 def register_model(name: str):
     """Class (or factory) decorator: register a model under config value ``name``. It is called with
-    ``num_classes`` and must return an ``nn.Module`` mapping (B, *input shape) float to (B, num_classes) logits
+    ``num_classes`` (and ``input_shape=`` the shape of one record, e.g. (C, H, W) or (F,), when it has a parameter
+    of that name) and must return an ``nn.Module`` mapping (B, *input shape) float to (B, num_classes) logits
     without mixing records (``validate_model`` runs on every build). ValueError if the name is taken."""
     return MODELS.register(name)
 
@@ -133,6 +147,48 @@ class GroupNormCNN64(nn.Module):
         return self.head(self.features(x))
 
 
+@register_model("mlp")
+class TabularMLP(nn.Module):
+    """Small MLP for tabular records (dataset=csv): flatten, two tanh hidden layers of ``hidden`` units.
+
+    Input: (B, *input_shape) float, e.g. (B, F) features in [-1, 1]; output: (B, num_classes) logits.
+    (F + 1) h + (h + 1) h + (h + 1) K parameters. Raises ValueError without ``input_shape``.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None, hidden: int = 64) -> None:
+        super().__init__()
+        if input_shape is None:
+            raise ValueError("model 'mlp' needs input_shape (the shape of one record)")
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.Tanh(),
+                                 nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@register_model("convnet")
+class GroupNormConvNet(nn.Module):
+    """Small CNN for images of any size (dataset=image-folder): three stride-2 3x3 convolutions (16, 32, 64
+    channels) with GroupNorm and tanh, global average pooling, a linear head.
+
+    Input: (B, C, H, W) float with C = input_shape[0] (1 without input_shape); output: (B, num_classes) logits.
+    About 23k + 65 K parameters for C = 3.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        channels = input_shape[0] if input_shape else 1
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.Tanh(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(4, 32), nn.Tanh(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 def resolve_model(name: str, dataset: str) -> str:
     """Config key ``model``: 'auto' picks the data set's default model (``DatasetSpec.default_model``: cnn for
     28x28 grey, resnet20 for CIFAR-10, cnn64 for CelebA at 64x64); any other name is returned unchanged."""
@@ -141,20 +197,78 @@ def resolve_model(name: str, dataset: str) -> str:
     return DATASETS.get_entry(dataset).default_model if name == "auto" else name
 
 
-def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Build and validate the model registered as ``name`` (config key ``model``), initialised from ``seed``
-    (public). Use ``resolve_model`` first for the config value 'auto'.
+def _takes_input_shape(factory: Callable[..., Any]) -> bool:
+    try:
+        return "input_shape" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
-    Raises ValueError for an unknown name and ModelError for a model that mixes records.
+
+def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torch.float32,
+               input_shape: tuple[int, ...] | None = None) -> nn.Module:
+    """Build and validate the model registered as ``name`` (config key ``model``; or an import path
+    'package.module:factory'), initialised from ``seed`` (public). Use ``resolve_model`` first for 'auto'.
+
+    input_shape: the shape of one record ((C, H, W) or (F,)); passed to a factory with an ``input_shape``
+    parameter, and with it the model is probed by ``check_per_record`` before it is returned.
+    Raises ValueError for an unknown name or an import path that does not import, and ModelError for a model
+    that mixes records, does not build, or whose per-record gradients torch.func cannot compute.
     """
     factory = MODELS.get_entry(name)
+    kwargs = {"input_shape": tuple(input_shape)} if input_shape is not None and _takes_input_shape(factory) else {}
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = factory(num_classes)
+        model = factory(num_classes, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"model {name!r}: factory(num_classes={num_classes}"
+                         f"{', input_shape=' + str(kwargs['input_shape']) if kwargs else ''}) failed "
+                         f"({type(e).__name__}: {e})") from None
     finally:
         torch.random.set_rng_state(gen_state)
-    return validate_model(model.to(dtype))
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model {name!r}: the factory returned a {type(model).__name__}; expected an nn.Module")
+    model = validate_model(model.to(dtype))
+    if input_shape is not None:
+        check_per_record(model, tuple(input_shape), num_classes, name)
+    return model
+
+
+def check_per_record(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, name: str = "") -> None:
+    """Probe ``model`` on 3 public random records of ``input_shape`` (a fixed generator; the global RNG, the
+    parameters and the buffers are untouched): the logits must be (3, num_classes), each record's output must not
+    depend on the other records of the batch, and torch.func must compute finite per-record gradients (the
+    vmap(grad) of ``per_sample.FlatModel``, as in training). Raises ModelError naming the model and the cause."""
+    from .per_sample import FlatModel  # late: per_sample is the math layer beside this one
+
+    label = f"model {name!r}" if name else "the model"
+    flat_model = FlatModel(model)
+    flat = flat_model.initial()
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand((3, *input_shape), generator=gen) * 2 - 1).to(flat.dtype)
+    try:
+        with torch.no_grad():
+            out = flat_model.logits(flat, x)
+            alone = flat_model.logits(flat, x[:1])
+    except Exception as e:  # noqa: BLE001 - any failure of user code is reported with its cause
+        raise ModelError(f"{label} fails on input of shape {tuple(x.shape)} ({type(e).__name__}: {e}): it must map "
+                         f"(B, {', '.join(map(str, input_shape))}) records to (B, {num_classes}) logits") from None
+    if tuple(out.shape) != (3, num_classes):
+        raise ModelError(f"{label} returns shape {tuple(out.shape)} for input {tuple(x.shape)}; expected "
+                         f"(3, {num_classes}): one row of {num_classes} logits per record")
+    if not torch.allclose(out[:1], alone, rtol=1e-4, atol=1e-5):
+        raise ModelError(f"{label}: a record's output changes with the other records of its batch (a layer mixes "
+                         "records, like BatchNorm), so per-record clipping bounds nothing. Replace that layer "
+                         "(nn.GroupNorm or nn.LayerNorm instead of batch statistics).")
+    try:
+        _, grads = flat_model.losses_and_grads(flat, x, torch.zeros(3, dtype=torch.long))
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"torch.func cannot compute per-record gradients of {label} ({type(e).__name__}: {e}). "
+                         "Per-record gradients are vmap(grad(...)) over records: avoid in-place changes of inputs or "
+                         "buffers, .item() / .numpy() / data-dependent Python control flow in forward, and layers that "
+                         "mix records.") from None
+    if grads.shape != (3, flat_model.dim) or not bool(torch.isfinite(grads).all()):
+        raise ModelError(f"{label}: per-record gradients are not finite at the initial parameters")
 
 
 def __getattr__(name: str) -> dict[str, str]:

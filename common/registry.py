@@ -15,8 +15,10 @@ spaces, the results tables) is derived from these. docs/DEVELOPING.md says how t
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -24,18 +26,51 @@ T = TypeVar("T")
 # the data set's default model. Here, in the leaf module, so that config and data both import it without a cycle.
 AUTO = "auto"
 
+# An import path 'package.module:attribute' (config values dataset=... and model=... naming user code).
+_ENTRY_POINT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_entry_point(value: str) -> bool:
+    """Whether ``value`` is written as an import path 'package.module:attribute' (syntax only; imports nothing)."""
+    return isinstance(value, str) and _ENTRY_POINT.fullmatch(value) is not None
+
+
+def load_entry_point(path: str, kind: str) -> Any:
+    """The object named by the import path 'package.module:attribute' (attribute may be dotted).
+
+    Raises ValueError naming ``kind`` (e.g. "model"), the path and the cause: bad syntax, a module that cannot
+    be imported (with the import error), or a missing attribute. The module's folder must be importable: on
+    sys.path, e.g. installed or in the current directory / PYTHONPATH.
+    """
+    if not is_entry_point(path):
+        raise ValueError(f"{kind} {path!r}: not an import path; allowed: 'package.module:attribute'")
+    module_name, attribute = path.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{kind} {path!r}: cannot import module '{module_name}' ({type(e).__name__}: {e}); put "
+                         "its folder on PYTHONPATH (or install it) on every machine that trains") from None
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{kind} {path!r}: module '{module_name}' has no attribute '{attribute}'") from None
+        obj = getattr(obj, part)
+    return obj
+
 
 class Registry(dict[str, T], Generic[T]):
     """Name -> entry for one plug-in kind (``kind``, e.g. "data set", names it in errors).
 
     ``register(name)`` is a decorator; ``register(name, entry)`` registers directly. A name registered twice
     raises ValueError (two plug-ins may not silently shadow each other); ``get_entry`` raises ValueError naming
-    the kind, the name and the registered names.
+    the kind, the name and the registered names. With ``entry_point`` (object, path) -> entry, ``get_entry`` also
+    accepts an import path 'package.module:attribute' of user code, imported then and converted by it (which
+    raises ValueError for an object it cannot use).
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, entry_point: Callable[[Any, str], T] | None = None) -> None:
         super().__init__()
         self.kind = kind
+        self.entry_point = entry_point
 
     def register(self, name: str, entry: T | None = None) -> Callable[[T], T] | T:
         def add(obj: T) -> T:
@@ -47,10 +82,12 @@ class Registry(dict[str, T], Generic[T]):
         return add if entry is None else add(entry)
 
     def get_entry(self, name: str) -> T:
-        try:
+        if name in self:
             return self[name]
-        except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self)}") from None
+        if self.entry_point is not None and is_entry_point(name):
+            return self.entry_point(load_entry_point(name, self.kind), name)
+        more = " or an import path 'package.module:attribute'" if self.entry_point is not None else ""
+        raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self)}{more}")
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order."""

@@ -118,7 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     train_set = load_from_config(cfg, train=True)
     n = LocalTransport(cfg, train_set).num_records
-    dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed)).dim
+    dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
+                                input_shape=tuple(train_set.x.shape[1:]))).dim
     delta = resolve_delta(cfg, n)
     plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes), n, delta)
     print(f"{cfg.algorithm} on {cfg.dataset}: n = {n} training records, {cfg.iterations} iterations, "

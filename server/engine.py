@@ -113,7 +113,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-    model = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), test.num_classes, cfg.seed, dtype))
+    model = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), test.num_classes, cfg.seed, dtype,
+                                  tuple(test.x.shape[1:])))
     algo = make_algorithm(cfg, n, model.dim, test.num_classes)
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")

@@ -1,0 +1,78 @@
+"""What every data-set loader shares: the error it raises, the split it returns, the seeded stratified split, and
+the class list of user data (``common.data`` registers the loaders; ``common.tabular_data`` and
+``common.image_folder`` read user files). Kept apart from ``common.data`` so that those readers need not import
+it (it imports them to register them)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+# Test split of user data without a declared test file or folder: this fraction of every class (seeded by
+# split-seed), as the CelebA subset's split (ALGORITHMS.md 6.2).
+USER_TEST_FRACTION = 0.2
+
+
+class DataError(FileNotFoundError):
+    """Data could not be found or read; the message says where it looked and how to fix it."""
+
+
+class LoadedSplit(NamedTuple):
+    """What a ``DatasetSpec.load`` returns (a plain 3-tuple (x, y, groups) is read as one).
+
+    x: uint8 images (N, H, W) or (N, C, H, W), mapped by the fixed x / 255 * 2 - 1; or float32 records (N, ...)
+    already scaled by public constants (used as they are). y: int64 (N,) in [0, num_classes). groups: int64 (N,)
+    in [0, num_groups) or None. num_classes / num_groups: 0 means the ``DatasetSpec``'s; user data sets, whose
+    classes come from their files or the config key ``classes``, set them.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    groups: torch.Tensor | None = None
+    num_classes: int = 0
+    num_groups: int = 0
+
+
+def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
+    """Split indices so that every group is cut by ``fractions`` (rounded, the last part takes the rest),
+    after a seeded shuffle within each group. Returns one sorted int64 index array per fraction."""
+    from .rng import derived_rng
+
+    rng = derived_rng(seed, "stratified-split")
+    parts: list[list[np.ndarray]] = [[] for _ in fractions]
+    for g in np.unique(groups):
+        idx = rng.permutation(np.flatnonzero(groups == g))
+        cuts = np.round(np.cumsum(fractions)[:-1] * len(idx)).astype(np.int64)
+        for i, piece in enumerate(np.split(idx, cuts)):
+            parts[i].append(piece)
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+def user_test_split(labels: np.ndarray, split: str, seed: int) -> np.ndarray:
+    """Positions of ``split`` ('train' or 'test') when user data has no declared test file or folder: a
+    stratified split by class of ``USER_TEST_FRACTION`` to test, seeded by ``seed`` (config key split-seed)."""
+    train, test = stratified_split(np.asarray(labels), (1.0 - USER_TEST_FRACTION, USER_TEST_FRACTION), seed)
+    return train if split == "train" else test
+
+
+def declared_classes(text: str) -> list[str]:
+    """Config key ``classes``: comma-separated class names in label order ([] when empty: derived from the
+    training split). Raises ValueError for an empty or repeated name."""
+    if not text.strip():
+        return []
+    names = [c.strip() for c in text.split(",")]
+    if any(not c for c in names) or len(set(names)) != len(names):
+        raise ValueError(f"config key 'classes': got {text!r}; allowed: comma-separated distinct non-empty class "
+                         "names, in label order (or '' to take them from the training split)")
+    return names
+
+
+def natural_order(values) -> list[str]:
+    """Distinct strings sorted as numbers when every one is an integer ('2' < '10'), else as text."""
+    distinct = set(values)
+    try:
+        return sorted(distinct, key=int)
+    except ValueError:
+        return sorted(distinct)

@@ -1,0 +1,177 @@
+"""``dataset=csv``: tabular records from CSV files (registered in ``common.data``).
+
+Layout (``data-root``): a folder holding ``train.csv`` and, optionally, ``test.csv``; or one ``.csv`` file. Without
+a test file, ``USER_TEST_FRACTION`` of every class of the training file (seeded by split-seed) is the test split.
+The first line names the columns. Config keys: ``csv-label`` (label column), ``csv-features`` (feature columns;
+'' = every other column), ``csv-group`` (optional group column, for worst-group accuracy), ``classes`` (class
+names in label order; '' = the distinct labels of the training file, sorted), ``csv-bounds`` (the public range
+of every feature).
+
+Privacy: features are scaled by the declared public bounds only, x' = 2 (clip(x, lo, hi) - lo) / (hi - lo) - 1
+in [-1, 1]; no statistic of the records (mean, min, max) is computed, as it would be an unaccounted release.
+The class list, the group names and the number of records are treated as public, as for the built-in data sets.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .data_types import DataError, LoadedSplit, declared_classes, natural_order, user_test_split
+
+KEYS = ("classes", "csv-label", "csv-features", "csv-group", "csv-bounds")
+
+
+def parse_bounds(text: str) -> tuple[tuple[float, float] | None, dict[str, tuple[float, float]]]:
+    """Config key ``csv-bounds``: 'lo:hi' for every feature, 'name=lo:hi,...' per feature, or both ('0:1,age=0:120':
+    the first for the features not named). Returns (default or None, {name: (lo, hi)}). Raises ValueError naming
+    the key for an empty value, bad syntax or lo >= hi."""
+    allowed = ("allowed: the public range of every feature, 'lo:hi' for all, 'name=lo:hi,...' per column, or "
+               "both ('0:1,age=0:120'); declared, never computed from the records")
+    if not text.strip():
+        raise ValueError(f"config key 'csv-bounds': required for dataset=csv; {allowed}")
+    default, named = None, {}
+    for item in text.split(","):
+        name, _, rng = item.rpartition("=")
+        try:
+            lo, hi = (float(v) for v in rng.split(":"))
+        except ValueError:
+            raise ValueError(f"config key 'csv-bounds': got {text!r} (item {item.strip()!r}); {allowed}") from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"config key 'csv-bounds': got {item.strip()!r}; allowed: finite lo < hi")
+        if name.strip():
+            named[name.strip()] = (lo, hi)
+        elif default is None:
+            default = (lo, hi)
+        else:
+            raise ValueError(f"config key 'csv-bounds': got {text!r}: two ranges without a column name; {allowed}")
+    return default, named
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """The syntax of the csv keys (before any file is read); ValueError naming the key."""
+    parse_bounds(options["csv-bounds"])
+    declared_classes(options["classes"])
+    if not options["csv-label"].strip():
+        raise ValueError("config key 'csv-label': got ''; allowed: the name of the label column")
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(path: str, mtime_ns: int, size: int) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a CSV file (cached per path, modification time and size)."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"cannot read {path} ({type(e).__name__}: {e}): expected a UTF-8 CSV file") from None
+    if not rows:
+        raise DataError(f"{path} is empty: expected a header line naming the columns, then one record a line")
+    return [c.strip() for c in rows[0]], rows[1:]
+
+
+def read_table(path: Path) -> tuple[list[str], list[list[str]]]:
+    """(header, rows as lists of strings) of the CSV file ``path``; DataError if it is missing or unreadable."""
+    if not path.is_file():
+        raise DataError(f"{path} not found: dataset=csv expects data-root to be a .csv file or a folder holding "
+                        "train.csv (and optionally test.csv)")
+    st = path.stat()
+    return _read_table(str(path), st.st_mtime_ns, st.st_size)
+
+
+def files(data_root: Path) -> tuple[Path, Path | None]:
+    """(training file, test file or None) of a data root (see the module docstring)."""
+    if data_root.suffix.lower() == ".csv":
+        return data_root, None
+    test = data_root / "test.csv"
+    return data_root / "train.csv", test if test.is_file() else None
+
+
+def _column(header: list[str], name: str, path: Path, key: str) -> int:
+    if name not in header:
+        raise DataError(f"{path}: no column {name!r} (config key '{key}'); the header has: {', '.join(header)}")
+    return header.index(name)
+
+
+def _index(values: list[str], names: list[str], path: Path, rows: range, what: str, where: str) -> np.ndarray:
+    """Each value's position in ``names``; DataError naming the first line whose value is not there."""
+    pos = {n: i for i, n in enumerate(names)}
+    out = np.empty(len(values), dtype=np.int64)
+    for i, (v, line) in enumerate(zip(values, rows, strict=True)):
+        if v not in pos:
+            raise DataError(f"{path}, line {line}: {what} {v!r} is not one of the {where} ({', '.join(names)})")
+        out[i] = pos[v]
+    return out
+
+
+def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
+         options: Mapping[str, Any]) -> LoadedSplit:
+    """The 'train' or 'test' split: features float32 (N, F) in [-1, 1], labels int64 (N,), groups int64 (N,) or
+    None. Raises DataError naming the file, the line and the column for a missing column, a row of the wrong
+    length, a non-numeric or non-finite feature, a label (or group) of the test file the training file lacks
+    (or outside ``classes``)."""
+    train_path, test_path = files(data_root)
+    label, group = options["csv-label"].strip(), options["csv-group"].strip()
+    train_header, train_rows = read_table(train_path)
+    li = _column(train_header, label, train_path, "csv-label")
+    gi = _column(train_header, group, train_path, "csv-group") if group else None
+    train_labels = [r[li].strip() if li < len(r) else "" for r in train_rows]
+    classes = declared_classes(options["classes"]) or natural_order(train_labels)
+    class_source = "declared classes (config key 'classes')" if options["classes"].strip() else \
+        f"classes of the training file {train_path.name}"
+    groups_names = natural_order(r[gi].strip() for r in train_rows if gi < len(r)) if gi is not None else []
+    path, header, rows = (test_path, *read_table(test_path)) if split == "test" and test_path else \
+        (train_path, train_header, train_rows)
+    if test_path is None:
+        keep = user_test_split(_index(train_labels, classes, train_path, range(2, len(train_rows) + 2), "label",
+                                      class_source), split, split_seed)
+    else:
+        keep = np.arange(len(rows))
+    li = _column(header, label, path, "csv-label")
+    gi = _column(header, group, path, "csv-group") if group else None
+    names = [c.strip() for c in options["csv-features"].split(",")] if options["csv-features"].strip() else \
+        [c for c in header if c not in (label, group)]
+    if not names:
+        raise DataError(f"{path}: no feature column (the header has only {', '.join(header)})")
+    fi = [_column(header, n, path, "csv-features") for n in names]
+    default, named = parse_bounds(options["csv-bounds"])
+    unknown = sorted(set(named) - set(names))
+    if unknown:
+        raise DataError(f"config key 'csv-bounds' names {', '.join(unknown)}, which are not feature columns of "
+                        f"{path} ({', '.join(names)})")
+    missing = [n for n in names if n not in named and default is None]
+    if missing:
+        raise DataError(f"config key 'csv-bounds': no range for feature column(s) {', '.join(missing)} of {path}; "
+                        "add 'name=lo:hi' for each, or a range 'lo:hi' for all")
+    lo = np.array([named.get(n, default)[0] for n in names])
+    hi = np.array([named.get(n, default)[1] for n in names])
+    x = np.empty((len(keep), len(names)), dtype=np.float64)
+    for j, i in enumerate(keep):
+        row, line = rows[i], int(i) + 2
+        if len(row) != len(header):
+            raise DataError(f"{path}, line {line}: {len(row)} cells; expected {len(header)} (one per column of the "
+                            "header)")
+        for k, (c, n) in enumerate(zip(fi, names, strict=True)):
+            try:
+                v = float(row[c])
+            except ValueError:
+                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a number; feature columns "
+                                "must be numeric (encode categories as numbers first)") from None
+            if not math.isfinite(v):
+                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a finite number")
+            x[j, k] = v
+    scaled = 2.0 * (np.clip(x, lo, hi) - lo) / (hi - lo) - 1.0
+    lines = [int(i) + 2 for i in keep]
+    y = _index([rows[i][li].strip() for i in keep], classes, path, lines, "label", class_source)
+    g = None
+    if gi is not None:
+        g = torch.from_numpy(_index([rows[i][gi].strip() for i in keep], groups_names, path, lines, "group",
+                                    f"groups of the training file {train_path.name}"))
+    return LoadedSplit(torch.from_numpy(scaled.astype(np.float32)), torch.from_numpy(y), g, len(classes),
+                       len(groups_names))

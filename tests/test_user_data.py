@@ -16,9 +16,9 @@ from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import DataError, load_from_config
 
 # A private run small enough for a test: dp-sgd, epsilon 4, 40 iterations of ~100 records.
-PRIVATE_RUN = {"algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 40, "refresh-batch": 100, "diff-batch": 50, "lr-x": 1.0,
-               "clip-x": 1.0, "num-clients": 2, "eval-every": 40, "checkpoint-every": 0, "reproducible": True,
-               "threads": 1, "seed": 1}
+PRIVATE_RUN = {"algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 40, "refresh-batch": 100, "diff-batch": 50,
+               "lr-x": 1.0, "clip-x": 1.0, "num-clients": 2, "eval-every": 40, "checkpoint-every": 0,
+               "reproducible": True, "threads": 1, "seed": 1}
 
 
 def write_csv(path: Path, rows: list[list], header: list[str]) -> Path:
@@ -57,7 +57,7 @@ def test_csv_splits_classes_groups_and_public_scaling(csv_root):
     assert train.x.shape == (400, 2) and train.x.dtype == torch.float32
     rows = easy_rows(400, 1)
     # features scaled by the declared bounds [0, 10] to [-1, 1]; labels by the sorted class names (no, yes)
-    assert torch.allclose(train.x[0], torch.tensor([rows[0][0] / 5 - 1, rows[0][1] / 5 - 1], dtype=torch.float32), atol=1e-6)
+    assert train.x[0].tolist() == pytest.approx([rows[0][0] / 5 - 1, rows[0][1] / 5 - 1], abs=1e-6)
     assert train.y.tolist() == [int(r[2] == "yes") for r in rows]
     assert train.groups.tolist() == [int(r[3] == "b") for r in rows]
     # a value beyond the declared bounds is clipped to them, not rescaled by the data

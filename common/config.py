@@ -202,6 +202,15 @@ FIELDS: tuple[Field, ...] = (
     Field("classes", "str", "", "User data (csv, image-folder, an entry point): comma-separated class names in "
           "label order ('' = from the training split: its sorted labels or class folders). Declare them when nodes "
           "hold different files, so that every node maps labels alike.", role="data"),
+    Field("image-size", "int", 32, "dataset=image-folder: images are resized to this many pixels square "
+          "(bilinear; 0: kept as they are, then all must have one size).", low=0, high=4096, role="data"),
+    Field("image-channels", "int", 3, "dataset=image-folder: 1 (grey) or 3 (RGB); images are converted to it.",
+          low=1, high=3, role="data"),
+    Field("image-mean", "str", "", "dataset=image-folder: public per-channel means (comma-separated, on [0, 1]) "
+          "for (x - mean) / std, e.g. ImageNet's; '' with image-std '': x / 255 * 2 - 1. Never statistics of the "
+          "private images.", role="data"),
+    Field("image-std", "str", "", "dataset=image-folder: public per-channel standard deviations (with "
+          "image-mean).", role="data"),
     Field("csv-label", "str", "label", "dataset=csv: the label column.", role="data"),
     Field("csv-features", "str", "", "dataset=csv: comma-separated feature columns ('' = every column but the "
           "label and group columns); cells must be numbers.", role="data"),

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import tabular_data
+from . import image_folder, tabular_data
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
 from .data_types import DataError, LoadedSplit, stratified_split
 from .registry import AUTO, Registry
@@ -538,6 +538,8 @@ register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "resnet20", long
 register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
 # ---- user data (README "Your own data"): classes from the files or config key 'classes' ----
+register_dataset("image-folder", DatasetSpec(image_folder.load, 0, "convnet", keys=image_folder.KEYS,
+                                             with_options=True, check=image_folder.check_options))
 register_dataset("csv", DatasetSpec(tabular_data.load, 0, "mlp", keys=tabular_data.KEYS, with_options=True,
                                     check=tabular_data.check_options))
 

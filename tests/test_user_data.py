@@ -137,3 +137,108 @@ def test_csv_bounds_must_cover_every_feature(tmp_path):
         load_from_config(cfg, True)
     per_column = cfg.with_updates({"csv-bounds": "f1=0:10,f2=0:2"})
     assert load_from_config(per_column, True).x.tolist()[0] == pytest.approx([-0.8, 1.0])
+
+
+# ---- dataset=image-folder ----
+IMAGE_KEYS = {"dataset": "image-folder", "image-size": 8, "image-channels": 1}
+
+
+def write_images(folder: Path, per_class: int, seed: int, classes=("bottom", "top")) -> None:
+    """8x8 grey PNGs: class 'top' has a bright upper half, 'bottom' a bright lower half, plus noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for name in classes:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            a = rng.integers(0, 60, size=(8, 8))
+            if name == "top":
+                a[:4] += 180
+            else:
+                a[4:] += 180
+            Image.fromarray(a.astype(np.uint8), mode="L").save(folder / name / f"{i:03d}.png")
+
+
+@pytest.fixture
+def image_root(tmp_path) -> Path:
+    write_images(tmp_path / "images" / "train", 100, 1)
+    write_images(tmp_path / "images" / "test", 30, 2)
+    return tmp_path / "images"
+
+
+def test_image_folder_reads_classes_sizes_and_the_fixed_scaling(image_root):
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    train, test = load_from_config(cfg, True), load_from_config(cfg, False)
+    assert (len(train), len(test), train.num_classes) == (200, 60, 2)
+    assert train.x.shape == (200, 1, 8, 8) and float(train.x.min()) >= -1 and float(train.x.max()) <= 1
+    # sorted class folders: bottom = 0, top = 1; 'top' records are brighter in the upper half
+    assert train.y.tolist() == [0] * 100 + [1] * 100
+    upper = train.x[:, 0, :4].mean(dim=(1, 2)) - train.x[:, 0, 4:].mean(dim=(1, 2))
+    assert bool((upper[100:] > 0).all()) and bool((upper[:100] < 0).all())
+    # resized RGB and declared public normalisation
+    rgb = load_from_config(cfg.with_updates({"image-size": 4, "image-channels": 3, "image-mean": "0.5,0.5,0.5",
+                                             "image-std": "0.25,0.25,0.25"}), False)
+    assert rgb.x.shape == (60, 3, 4, 4) and float(rgb.x.max()) > 1  # (x - 0.5) / 0.25 reaches 2
+
+
+def test_image_folder_without_test_folder_takes_a_seeded_stratified_split(tmp_path):
+    write_images(tmp_path / "flat", 10, 3)
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(tmp_path / "flat")})
+    train, test = load_from_config(cfg, True), load_from_config(cfg, False)
+    assert (len(train), len(test)) == (16, 4) and test.y.tolist() == [0, 0, 1, 1]
+
+
+def test_image_folder_trains_privately_to_a_stated_accuracy(image_root, tmp_path):
+    from dpdro.simulations.runner import run_one
+
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, **IMAGE_KEYS, "data-root": str(image_root), "out-dir": str(out)}
+    assert run_one(keys) == (str(out), None)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dataset"] == "image-folder" and 0 < summary["epsilon_spent"] <= 4.0 + 1e-9
+    # two classes with bright upper or lower halves: the private convnet (the default) is far above chance
+    assert summary["test_accuracy"] >= 0.9
+
+
+def test_image_folder_class_folder_without_images_is_refused(image_root):
+    (image_root / "train" / "empty").mkdir()
+    (image_root / "train" / "empty" / "notes.txt").write_text("no image here")
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    with pytest.raises(DataError, match=r"class folder .*train/empty has no images: expected files ending in .jpg"):
+        load_from_config(cfg, True)
+
+
+def test_image_folder_test_class_the_training_folder_lacks_is_refused(image_root):
+    write_images(image_root / "test", 2, 4, classes=("middle",))
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    with pytest.raises(DataError, match=r"test class folder .*test/middle is not one of the class folders of "
+                                        r".*train \(bottom, top\): more classes in test than in training"):
+        load_from_config(cfg, False)
+
+
+def test_image_folder_unreadable_image_is_refused_naming_it(image_root):
+    (image_root / "train" / "top" / "999.png").write_bytes(b"not a png")
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    with pytest.raises(DataError, match=r"cannot read image .*train/top/999\.png"):
+        load_from_config(cfg, True)
+
+
+def test_image_folder_mixed_sizes_need_image_size(image_root):
+    from PIL import Image
+
+    Image.new("L", (5, 7)).save(image_root / "train" / "top" / "odd.png")
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root), "image-size": 0})
+    with pytest.raises(DataError, match=r"image .*train/top/odd\.png is 5x7, the first image 8x8: with image-size=0"):
+        load_from_config(cfg, True)
+
+
+def test_image_folder_missing_folder_and_bad_keys_are_refused(tmp_path):
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(tmp_path / "nowhere")})
+    with pytest.raises(DataError, match=r"nowhere not found: dataset=image-folder expects data-root to be a folder"):
+        load_from_config(cfg, True)
+    with pytest.raises(ConfigError, match="config keys 'image-mean', 'image-std': got '0.5', ''"):
+        Config.from_mapping({**IMAGE_KEYS, "image-mean": "0.5"})
+    with pytest.raises(ConfigError, match="config key 'image-mean': got '0.5'; allowed: 3 comma-separated"):
+        Config.from_mapping({**IMAGE_KEYS, "image-channels": 3, "image-mean": "0.5", "image-std": "1,1,1"})
+    with pytest.raises(ConfigError, match="config key 'image-channels': got 2"):
+        Config.from_mapping({**IMAGE_KEYS, "image-channels": 2})

@@ -1,0 +1,166 @@
+"""``dataset=image-folder``: images in class sub-folders, torchvision's ``ImageFolder`` layout (registered in
+``common.data``).
+
+Layout (``data-root``): ``train/<class>/<image>`` and, optionally, ``test/<class>/<image>``; or ``<class>/<image>``
+directly, in which case ``USER_TEST_FRACTION`` of every class (seeded by split-seed) is the test split. Images
+are the files with one of ``IMAGE_EXTENSIONS`` (other files and hidden ones are skipped); classes are the
+sub-folder names, sorted (as ``ImageFolder``), or config key ``classes``.
+
+Each image is converted to ``image-channels`` (1: grey, 3: RGB) and resized to ``image-size`` x ``image-size``
+(bilinear; 0: kept, then every image must have one size). Values: x / 255 * 2 - 1 (as the built-ins), or
+(x / 255 - image-mean) / image-std per channel when those public constants are declared (e.g. ImageNet's):
+never statistics of the private images.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .data_types import DataError, LoadedSplit, declared_classes, user_test_split
+
+KEYS = ("classes", "image-size", "image-channels", "image-mean", "image-std")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
+
+
+def _floats(text: str, key: str, channels: int) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != channels:
+        raise ValueError(f"config key '{key}': got {text!r}; allowed: {channels} comma-separated numbers (one per "
+                         "channel, image-channels) or '' for x / 255 * 2 - 1")
+    return values
+
+
+def normalisation(options: Mapping[str, Any]) -> tuple[list[float], list[float]] | None:
+    """(mean, std) per channel from image-mean / image-std, or None when both are '' (x / 255 * 2 - 1). Raises
+    ValueError naming the key when only one is set, a count differs from image-channels, or a std is <= 0."""
+    mean, std = options["image-mean"].strip(), options["image-std"].strip()
+    if not mean and not std:
+        return None
+    if not mean or not std:
+        raise ValueError(f"config keys 'image-mean', 'image-std': got {mean!r}, {std!r}; allowed: both set (public "
+                         "per-channel constants) or both ''")
+    channels = options["image-channels"]
+    m, s = _floats(mean, "image-mean", channels), _floats(std, "image-std", channels)
+    if min(s) <= 0:
+        raise ValueError(f"config key 'image-std': got {std!r}; allowed: numbers > 0")
+    return m, s
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """The syntax of the image-folder keys (before any file is read); ValueError naming the key."""
+    if options["image-channels"] not in (1, 3):
+        raise ValueError(f"config key 'image-channels': got {options['image-channels']}; allowed: 1 (grey) or 3 (RGB)")
+    normalisation(options)
+    declared_classes(options["classes"])
+
+
+def folders(data_root: Path) -> tuple[Path, Path | None]:
+    """(training folder, test folder or None) of a data root (see the module docstring)."""
+    if (data_root / "train").is_dir():
+        test = data_root / "test"
+        return data_root / "train", test if test.is_dir() else None
+    return data_root, None
+
+
+def class_folders(folder: Path) -> list[str]:
+    """The sorted names of the visible sub-folders of ``folder``; DataError when it is missing or has none."""
+    if not folder.is_dir():
+        raise DataError(f"{folder} not found: dataset=image-folder expects data-root to be a folder of class "
+                        "sub-folders (<class>/<image>), or one holding train/ and optionally test/ in that layout")
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not names:
+        raise DataError(f"{folder} has no class sub-folder: expected one folder per class holding its images "
+                        "(torchvision's ImageFolder layout)")
+    return names
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The images of one class folder, sorted by name; DataError naming the folder when it has none."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise DataError(f"class folder {folder} has no images: expected files ending in "
+                        f"{', '.join(IMAGE_EXTENSIONS)} (remove the folder, or declare the classes with config key "
+                        "'classes' and leave the class out of the folders)")
+    return files
+
+
+def _decode(path: Path, channels: int, size: int) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("L" if channels == 1 else "RGB")
+            if size:
+                im = im.resize((size, size), Image.BILINEAR)
+            a = np.asarray(im, dtype=np.uint8)
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}): replace or remove it") from None
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_folder(folder: str, classes: tuple[str, ...], channels: int, size: int,
+                 stamp: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 images (N, C, H, W), int64 labels (N,)) of one folder of class folders, in class then name order
+    (cached per folder, classes, channels, size and the files' names, sizes and modification times)."""
+    images, labels = [], []
+    for k, name in enumerate(classes):
+        sub = Path(folder) / name
+        if not sub.is_dir():
+            continue  # a split may lack a class (the training folder was checked to have them all)
+        for f in image_files(sub):
+            a = _decode(f, channels, size)
+            if images and a.shape != images[0].shape:
+                raise DataError(f"image {f} is {a.shape[2]}x{a.shape[1]}, the first image "
+                                f"{images[0].shape[2]}x{images[0].shape[1]}: with image-size=0 every image must "
+                                "have one size; set image-size to resize them")
+            images.append(a)
+            labels.append(k)
+    return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def _stamp(folder: Path) -> tuple:
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
+         options: Mapping[str, Any]) -> LoadedSplit:
+    """The 'train' or 'test' split: images uint8 (N, C, S, S) (or float32 with a declared normalisation), labels
+    int64 (N,), no groups. Raises DataError naming the folder or file for a missing folder, a class folder with
+    no images, an unreadable image, a test class folder the training folder lacks (or outside ``classes``)."""
+    train_dir, test_dir = folders(data_root)
+    found = class_folders(train_dir)
+    declared = declared_classes(options["classes"])
+    classes = declared or found
+    where = "declared classes (config key 'classes')" if declared else f"class folders of {train_dir}"
+    for name in found:
+        if name not in classes:
+            raise DataError(f"class folder {train_dir / name} is not one of the {where} ({', '.join(classes)})")
+        image_files(train_dir / name)  # a class folder with no images is an error, not a missing class
+    folder = test_dir if split == "test" and test_dir is not None else train_dir
+    if folder is test_dir:
+        for name in class_folders(test_dir):
+            if name not in classes:
+                raise DataError(f"test class folder {test_dir / name} is not one of the {where} "
+                                f"({', '.join(classes)}): more classes in test than in training")
+    channels, size = options["image-channels"], options["image-size"]
+    x, y = _read_folder(str(folder), tuple(classes), channels, size, _stamp(folder))
+    if test_dir is None:
+        keep = user_test_split(y, split, split_seed)
+        x, y = x[keep], y[keep]
+    images = torch.from_numpy(np.ascontiguousarray(x))
+    norm = normalisation(options)
+    if norm is not None:
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in norm)
+        images = (images.to(torch.float32) / 255.0 - mean) / std
+    return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0)

@@ -242,3 +242,74 @@ def test_image_folder_missing_folder_and_bad_keys_are_refused(tmp_path):
         Config.from_mapping({**IMAGE_KEYS, "image-channels": 3, "image-mean": "0.5", "image-std": "1,1,1"})
     with pytest.raises(ConfigError, match="config key 'image-channels': got 2"):
         Config.from_mapping({**IMAGE_KEYS, "image-channels": 2})
+
+
+# ---- user code by import path: model=module:factory, dataset=module:function ----
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture
+def user_code(monkeypatch):
+    """tests/plugins/ on sys.path, as a user's PYTHONPATH would hold their own module."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+
+
+def test_entry_point_data_set_and_user_model_train_privately(user_code, tmp_path):
+    from dpdro.simulations.runner import run_one
+
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, "dataset": "user_code:blobs", "model": "user_code:tiny_mlp", "out-dir": str(out)}
+    assert run_one(keys) == (str(out), None)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dataset"] == "user_code:blobs" and 0 < summary["epsilon_spent"] <= 4.0 + 1e-9
+    # three separated blobs: far above chance (1/3)
+    assert summary["test_accuracy"] >= 0.9 and summary["worst_group_accuracy"] >= 0.85
+
+
+def test_entry_point_data_set_as_a_torch_dataset(user_code):
+    cfg = Config.from_mapping({"dataset": "user_code:blobs_dataset"})
+    train, test = load_from_config(cfg, True), load_from_config(cfg, False)
+    assert (len(train), len(test), train.num_classes, train.groups) == (300, 150, 3, None)
+    from user_code import blobs
+
+    assert torch.equal(train.x, torch.from_numpy(blobs("train", None)[0]))  # float records used as they are
+    assert load_from_config(cfg.with_updates({"classes": "a,b,c,d"}), False).num_classes == 4
+
+
+def test_entry_point_test_split_with_a_class_training_lacks_is_refused(user_code):
+    cfg = Config.from_mapping({"dataset": "user_code:blobs_with_extra_test_class"})
+    with pytest.raises(DataError, match="the test split has label 3, beyond the training split's labels "
+                                        r"\(0 \.\. 2\): more classes than in training"):
+        load_from_config(cfg, False)
+
+
+def test_import_paths_that_do_not_import_are_refused_by_config(user_code):
+    with pytest.raises(ConfigError, match="config key 'model': model 'no_such_module:net': cannot import module "
+                                          "'no_such_module'"):
+        Config.from_mapping({"model": "no_such_module:net"})
+    with pytest.raises(ConfigError, match="config key 'dataset': dataset 'user_code:nothing': module 'user_code' "
+                                          "has no attribute 'nothing'"):
+        Config.from_mapping({"dataset": "user_code:nothing"})
+    with pytest.raises(ConfigError, match="config key 'model': model 'user_code:NOT_A_FACTORY' is a int"):
+        Config.from_mapping({"model": "user_code:NOT_A_FACTORY"})
+    with pytest.raises(ConfigError, match=r"config key 'model': got 'not a path'; allowed: one of 'auto'.* or an "
+                                          "import path 'package.module:name'"):
+        Config.from_mapping({"model": "not a path"})
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("BatchNormNet", "layer 'net.2' is BatchNorm1d: batch normalisation mixes records, so per-record clipping "
+                     "bounds nothing. Replace it with nn.GroupNorm"),
+    ("CentringNet", "a record's output changes with the other records of its batch"),
+    ("NumpyNet", "torch.func cannot compute per-record gradients of model 'user_code:NumpyNet'"),
+])
+def test_user_models_that_cannot_be_trained_per_record_are_refused_before_training(user_code, tmp_path, factory,
+                                                                                   message):
+    from dpdro.common.models import ModelError
+    from dpdro.simulations.runner import run_one
+
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, "dataset": "user_code:blobs", "model": f"user_code:{factory}", "out-dir": str(out)}
+    with pytest.raises(ModelError, match=message):
+        run_one(keys)
+    assert not (out / "summary.json").exists() and not (out / "ledger.json").exists()

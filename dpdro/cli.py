@@ -307,12 +307,43 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.mode == "canary":
+        return _canary_audit(args)
     from dpdro.simulations.audit import run_audit
 
     path = run_audit([float(e) for e in args.epsilons], args.shadows, args.records, args.iterations,
                      Path(args.root), Path(args.docs), args.algorithm)
     print(path.read_text())
     return 0
+
+
+def _canary_audit(args: argparse.Namespace) -> int:
+    from dpdro.simulations.canary_audit import DEFAULT_PLAN, report_lines, run_canary_audit
+
+    for key in ("slots", "trials", "max_releases"):
+        if getattr(args, key) < 1:
+            print(f"dpdro: error: --{key.replace('_', '-')}: got {getattr(args, key)}; allowed: >= 1", file=sys.stderr)
+            return 2
+    plan = [p for p in DEFAULT_PLAN if not args.configs or p[0] in args.configs]
+    if not plan:
+        print(f"dpdro: error: --configs: none of {args.configs} is audited; allowed: "
+              f"{', '.join(sorted({p[0] for p in DEFAULT_PLAN}))}", file=sys.stderr)
+        return 2
+    command = " ".join(["dpdro audit --mode canary", *(["--configs", *args.configs] if args.configs else []),
+                        f"--slots {args.slots} --trials {args.trials} --max-releases {args.max_releases}"])
+
+    def progress(rows) -> None:
+        print(report_lines(rows[-1:], command, args.slots)[-1], flush=True)
+
+    path, rows = run_canary_audit(Path(args.docs), slots=args.slots, trials=args.trials,
+                                  max_releases=args.max_releases, plan=plan, command=command, progress=progress)
+    print(f"wrote {path}")
+    wrong = [r for r in rows if r.flagged != bool(r.broken)]
+    for r in wrong:
+        what = "a correct release exceeds its claim" if not r.broken else "a broken release was not caught"
+        print(f"dpdro: audit: {what}: {r.config} {r.mechanism} ({r.noise_mode}, {r.broken or 'correct'}): bound "
+              f"{r.bound.lower:.3f}, claim {r.claimed:.3f}", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -384,7 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. CelebA's 300 iterations) follow the target; the target's data are not looked at "
                         "and docs/TUNING.md is not touched")
     s.set_defaults(all_datasets=DATASETS)
-    s = sub.add_parser("audit", help="membership-inference audit (loss threshold, LiRA); writes docs/AUDIT.md")
+    s = sub.add_parser("audit", help="privacy audits: white-box canaries per release (--mode canary) or membership "
+                                     "inference (--mode mia: loss threshold, LiRA); writes docs/AUDIT.md")
+    s.add_argument("--mode", choices=("mia", "canary"), default="mia",
+                   help="mia: membership inference on trained models; canary: empirical epsilon lower bound of "
+                        "every release (and the negative controls)")
+    s.add_argument("--configs", nargs="*", default=[], help="canary: audited configurations (default: all)")
+    s.add_argument("--slots", type=int, default=1000, help="canary: records of each audited run")
+    s.add_argument("--trials", type=int, default=200_000, help="canary: trials per release (present + absent)")
+    s.add_argument("--max-releases", type=int, default=20_000,
+                   help="canary: most releases per audited release kind (bounds releases with few coordinates)")
     s.add_argument("--epsilons", nargs="*", default=["1", "8", "inf"])
     s.add_argument("--shadows", type=int, default=4)
     s.add_argument("--records", type=int, default=4000)

@@ -9,9 +9,11 @@ and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import keyword
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +98,10 @@ class Field:
         """Convert and check ``value``; raise ConfigError naming this key otherwise."""
 
         def fail() -> ConfigError:
-            return ConfigError(f"config key '{self.key}': got {value!r}; allowed: {self.allowed()}")
+            near = (difflib.get_close_matches(value, self.options, n=1, cutoff=0.6)
+                    if isinstance(value, str) and self.choices is not None else [])
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            return ConfigError(f"config key '{self.key}': got {value!r}{hint}; allowed: {self.allowed()}")
 
         if self.auto and isinstance(value, str) and value.strip().lower() == AUTO:
             return AUTO
@@ -151,15 +156,21 @@ class Field:
 
 
 def _dataset_names() -> tuple[str, ...]:
-    from .data import DATASETS  # late: data.py imports this module (and torch)
+    from .data import DATASETS  # late: data.py imports this module (it imports torch only where tensors are built)
 
     return DATASETS.names()
 
 
-def _model_names() -> tuple[str, ...]:
-    from .models import MODELS  # late: torch
+# The models common/models.py registers when it is imported. Its classes need torch, which `dpdro keys`, `--help`
+# and config errors must not import (seconds on a loaded machine): until that module is imported nothing else can
+# have registered a model (a plug-in registers through it), so these are then all the names.
+# tests/test_cli_startup.py checks this tuple against a fresh import of MODELS.
+BUILTIN_MODELS = ("cnn", "resnet20", "cnn64", "mlp", "convnet")
 
-    return ("auto", *MODELS.names())
+
+def _model_names() -> tuple[str, ...]:
+    registry = getattr(sys.modules.get(f"{__package__}.models"), "MODELS", None)
+    return ("auto", *(registry.names() if registry is not None else BUILTIN_MODELS))
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
@@ -380,8 +391,8 @@ FIELDS: tuple[Field, ...] = (
           "false: sampling and noise from the OS CSPRNG.", role="privacy"),
     Field("eval-every", "int", 50, "Evaluate (and report epsilon spent) every this many iterations.",
           low=1, role="runtime"),
-    Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations (0: only at the "
-          "end).", low=0, role="runtime"),
+    Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations, and always after the "
+          "first (a run stopped early can be resumed) and the last (0: only those two).", low=0, role="runtime"),
     Field("resume", "bool", False, "Continue the run in out-dir from its checkpoint (its config must match).",
           role="runtime"),
     Field("overwrite", "bool", False, "Replace the run in a non-empty out-dir (CLI --overwrite); without it (or "
@@ -418,6 +429,16 @@ FIELDS: tuple[Field, ...] = (
 FIELD_BY_KEY: dict[str, Field] = {f.key: f for f in FIELDS}
 
 
+def unknown_keys_message(unknown: list[str]) -> str:
+    """'unknown config key ...' with the nearest known key for each (difflib), instead of every key on one line."""
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, FIELD_BY_KEY, n=1, cutoff=0.6)
+        parts.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    return (f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; `dpdro keys` lists every key "
+            "with its default and allowed values")
+
+
 def keys_with_role(*roles: str) -> tuple[str, ...]:
     """The config keys whose ``Field.role`` is one of ``roles`` (in FIELDS order); ValueError for an unknown role."""
     unknown = [r for r in roles if r not in ROLES]
@@ -450,8 +471,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         values = dict(values or {})
         unknown = sorted(k for k in values if k not in FIELD_BY_KEY)
         if unknown and not ignore_unknown:
-            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: "
-                              + ", ".join(FIELD_BY_KEY))
+            raise ConfigError(unknown_keys_message(unknown))
         parsed = {f.attr: f.parse(values.get(f.key, f.default)) for f in FIELDS}
         cfg = cls(**parsed)
         cfg._check_combinations()
@@ -497,7 +517,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
             raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
-        from .data import DATASETS  # late: data.py imports this module (and torch)
+        from .data import DATASETS  # late: data.py imports this module
 
         try:  # an import path is imported here: its error before any work
             spec = DATASETS.get_entry(self.dataset)

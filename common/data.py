@@ -40,15 +40,17 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import image_folder, tabular_data
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
 from .data_types import DataError, LoadedSplit, stratified_split
 from .registry import AUTO, Registry
+
+if TYPE_CHECKING:  # torch is imported inside the functions that build tensors: the registry (config validation,
+    import torch  # `dpdro keys`, `--help`) must not pay for it (tests/test_cli_startup.py)
 
 __all__ = ["DataError", "LoadedSplit", "stratified_split"]  # re-exported: the names loaders and callers use
 
@@ -72,6 +74,8 @@ class ArrayDataset:
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
         """The records at ``idx`` (int array, any order, repeats allowed) as a new ArrayDataset."""
+        import torch
+
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)
@@ -129,6 +133,8 @@ def _entry_point_spec(obj: Any, path: str) -> DatasetSpec:
 
 
 def _as_tensor(value: Any, what: str, path: str) -> torch.Tensor:
+    import torch
+
     try:
         return torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -137,6 +143,8 @@ def _as_tensor(value: Any, what: str, path: str) -> torch.Tensor:
 
 def _call_entry_point(fn: Callable, path: str, split: str, data_root: Path, options: Mapping[str, Any]) -> LoadedSplit:
     """Call a user data function for ``split`` and check what it returns (DataError naming the function)."""
+    import torch
+
     from .data_types import declared_classes
 
     def call(s: str):
@@ -325,6 +333,7 @@ def cifar_file_problems(folder: Path) -> list[str]:
 def _read_cifar10(root: Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One split read by torchvision's ``CIFAR10(root, download=False)``, whose md5 check of every file is the
     integrity check. Returns uint8 (N, 3, 32, 32) in file order and int64 (N,). DataError names each bad file."""
+    import torch
     from torchvision import datasets
 
     try:
@@ -416,6 +425,8 @@ def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.n
 
 def _load_celeba(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int):
     """(images uint8 (N,3,S,S), Blond_Hair labels, groups = 2 * blond + male) of one split."""
+    import torch
+
     root = data_root / "celeba"
     if (root / "img_align_celeba").is_dir() or download:
         from torchvision import datasets, transforms
@@ -469,6 +480,8 @@ def even_subset(n: int, k: int) -> np.ndarray:
 
 
 def _to_float(images: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if images.is_floating_point():  # records a loader already scaled by public constants
         return images.to(torch.float32)
     x = images.to(torch.float32) / 255.0 * 2.0 - 1.0
@@ -487,6 +500,8 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     excludes. ``options``: {key: value} of the data set's ``keys`` for a loader ``with_options`` (user data).
     Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt.
     """
+    import torch
+
     spec = DATASETS.get_entry(dataset)
     split = {True: "train", False: "test"}.get(train, train)
     if split not in ("train", "val", "test") or (split == "val" and not spec.own_validation

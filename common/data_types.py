@@ -5,10 +5,12 @@ it (it imports them to register them)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are built: config validation must not load torch
+    import torch
 
 # Test split of user data without a declared test file or folder: this fraction of every class (seeded by
 # split-seed), as the CelebA subset's split (ALGORITHMS.md 6.2).

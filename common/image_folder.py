@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .data_types import DataError, LoadedSplit, declared_classes, user_test_split
 
@@ -138,6 +137,8 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
     """The 'train' or 'test' split: images uint8 (N, C, S, S) (or float32 with a declared normalisation), labels
     int64 (N,), no groups. Raises DataError naming the folder or file for a missing folder, a class folder with
     no images, an unreadable image, a test class folder the training folder lacks (or outside ``classes``)."""
+    import torch
+
     train_dir, test_dir = folders(data_root)
     found = class_folders(train_dir)
     declared = declared_classes(options["classes"])

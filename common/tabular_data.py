@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .data_types import DataError, LoadedSplit, declared_classes, natural_order, user_test_split
 
@@ -116,6 +115,8 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
     None. Raises DataError naming the file, the line and the column for a missing column, a row of the wrong
     length, a non-numeric or non-finite feature, a label (or group) of the test file the training file lacks
     (or outside ``classes``)."""
+    import torch
+
     train_path, test_path = files(data_root)
     label, group = options["csv-label"].strip(), options["csv-group"].strip()
     train_header, train_rows = read_table(train_path)

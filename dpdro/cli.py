@@ -24,6 +24,7 @@ import argparse
 import logging
 import math
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -52,15 +53,45 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config.from_mapping(values)
 
 
-def _progress_bar(total: int, start: int = 0):
-    from tqdm import tqdm
+PIPED_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
+
+
+def _eval_line(row: dict) -> str:
+    return (f"iteration {row['iteration']:>6}  epsilon {row['epsilon_spent']:.4f}  test accuracy "
+            f"{row['test_accuracy']:.4f}  worst-class accuracy {row['worst_class_accuracy']:.4f}")
+
+
+def _progress_display(total: int, stop_requested=lambda: False):
+    """(close, Progress) of ``dpdro train``: on a terminal (stderr) a tqdm bar that starts at a resumed run's
+    iteration, with the header, evaluation lines and notes above it; otherwise (piped, a log file) plain lines
+    only, never carriage returns: the notes, one line per evaluation, and a progress line at most every
+    PIPED_EVERY seconds."""
+    import time
 
     from dpdro.server.engine import Progress
 
-    bar = tqdm(total=total, initial=start, desc="training", unit="it", dynamic_ncols=True)
+    if not sys.stderr.isatty():
+        last = [time.monotonic()]
+
+        def on_step(t: int) -> None:
+            if t == total or time.monotonic() - last[0] >= PIPED_EVERY:
+                last[0] = time.monotonic()
+                print(f"training: iteration {t} of {total}", file=sys.stderr, flush=True)
+
+        def say(text: str) -> None:
+            print(text, flush=True)
+
+        progress = Progress(on_step=on_step, on_eval=lambda row: say(_eval_line(row)), on_note=say,
+                            stop_requested=stop_requested)
+        return (lambda: None), progress
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="training", unit="it", dynamic_ncols=True)
 
     def on_start(t: int) -> None:  # a resumed run starts at its checkpoint's iteration, not at 0
-        bar.n = bar.last_print_n = bar.initial = t
+        bar.reset(total=total)
+        bar.initial = bar.n = bar.last_print_n = t
         bar.refresh()
 
     def on_step(t: int) -> None:
@@ -71,35 +102,86 @@ def _progress_bar(total: int, start: int = 0):
         shown = "inf" if eps == math.inf else f"{eps:.3f}"  # the last evaluation's, not the live spend
         bar.set_postfix_str(f"at iteration {row['iteration']}: eps={shown} acc={row['test_accuracy']:.4f} "
                             f"worst={row['worst_class_accuracy']:.4f}")
-        bar.write(f"iteration {row['iteration']:>6}  epsilon {eps:.4f}  test accuracy {row['test_accuracy']:.4f}  "
-                  f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
+        bar.write(_eval_line(row))
 
-    return bar, Progress(on_start=on_start, on_step=on_step, on_eval=on_eval)
+    return bar.close, Progress(on_start=on_start, on_step=on_step, on_eval=on_eval, on_note=bar.write,
+                               stop_requested=stop_requested)
+
+
+class _CtrlC:
+    """SIGINT during training: the first Ctrl-C asks the engine to stop after the current iteration (it writes a
+    checkpoint, then raises TrainingStopped); a second one stops at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self):
+        import signal
+
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+            print("\nCtrl-C: stopping after this iteration (a checkpoint is written); Ctrl-C again stops at once",
+                  file=sys.stderr, flush=True)
+
+        self._old = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, self._old)
+
+
+def _stopped_message(out_dir: str, iteration: int | None = None, iterations: int | None = None) -> str:
+    """The one line a stopped ``dpdro train`` prints: where it stopped and how to go on (or start again)."""
+    from dpdro.server.rundir import RunDir, RunFileError
+
+    rd = RunDir(out_dir)
+    try:
+        saved = int(rd.load_checkpoint()[1]["state"]["t"]) if rd.checkpoint.is_file() else None
+    except (RunFileError, KeyError, TypeError, ValueError):
+        saved = None
+    where = f"at iteration {iteration} of {iterations}" if iteration is not None else "by Ctrl-C"
+    if saved is None:
+        return (f"dpdro: stopped {where}, before the first checkpoint: nothing to resume; start again with "
+                f"--overwrite (out-dir {out_dir})")
+    return f"dpdro: stopped {where}; checkpoint at iteration {saved}: resume with  dpdro train --resume {out_dir}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dpdro.client.local_transport import LocalTransport
-    from dpdro.common.data import load_from_config
-    from dpdro.server.engine import load_run_config, train
+    if not args.resume:
+        cfg = config_from_args(args)  # a configuration error answers before torch is imported
+    from dpdro.server.engine import TrainingStopped, load_run_config, train
     from dpdro.server.rundir import check_out_dir
 
     if args.resume:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
-    else:
-        cfg = config_from_args(args)
     if args.overwrite:
         cfg = cfg.with_updates({"overwrite": True})
     check_out_dir(cfg.out_dir, resume=bool(args.resume), overwrite=cfg.overwrite)  # before loading any data
     check_device(cfg.device)  # before loading data
-    train_set = load_from_config(cfg, train=True)
-    test_set = load_from_config(cfg, train=False)
-    transport = LocalTransport(cfg, train_set)
-    bar, progress = _progress_bar(cfg.iterations)
-    try:
-        result = train(cfg, transport, test_set, resume=bool(args.resume), progress=progress)
-    finally:
-        bar.close()
-    _print_summary(result.summary, cfg.out_dir)
+    from dpdro.client.local_transport import LocalTransport
+    from dpdro.common.data import load_from_config
+
+    with _CtrlC() as ctrl_c:
+        try:
+            train_set = load_from_config(cfg, train=True)
+            test_set = load_from_config(cfg, train=False)
+            transport = LocalTransport(cfg, train_set)
+            close, progress = _progress_display(cfg.iterations, lambda: ctrl_c.requested)
+            try:
+                result = train(cfg, transport, test_set, resume=bool(args.resume), progress=progress)
+            finally:
+                close()
+        except TrainingStopped as e:
+            print(_stopped_message(cfg.out_dir, e.iteration, e.iterations), file=sys.stderr)
+            return 130
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+            print(_stopped_message(cfg.out_dir), file=sys.stderr)
+            return 130
+    _print_summary(result.summary, cfg.out_dir, resumed=bool(args.resume))
     return 0
 
 
@@ -107,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the privacy plan of a configuration without training: every release kind with its count, sampling
     rate and calibrated noise multiplier, delta, and the planned epsilon under both accountants. Loads the
     training split only to count its records (n, treated as public)."""
+    cfg = config_from_args(args)  # a configuration error answers before torch is imported
     from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
     from dpdro.common.models import make_model, resolve_model
@@ -115,7 +198,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.server.engine import plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
 
-    cfg = config_from_args(args)
     train_set = load_from_config(cfg, train=True)
     n = LocalTransport(cfg, train_set).num_records
     dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
@@ -135,12 +217,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(s: dict, out_dir: str) -> None:
+_STARTED = time.perf_counter()  # reset by main(): the done line's time is the command's wall time
+
+
+def _print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
+    """The done line: results, and the command's wall time (from the start of main(), data loading and Flower
+    start-up included) beside the training loop's (summary.json wall_seconds; over all sessions of a resumed
+    run)."""
     eps = s["epsilon_spent"]
     private = "" if s["private"] else "  (NOT PRIVATE: epsilon=inf)"
+    loop = f"training loop {s['wall_seconds']:.1f} s" + (" over all sessions" if resumed else "")
     print(f"done: {s['algorithm']} on {s['dataset']}: test accuracy {s['test_accuracy']:.4f}, worst-class "
           f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
-          f"at delta {s['delta']:.3g}, {s['wall_seconds']:.1f} s{private}\nrun directory: {out_dir}")
+          f"at delta {s['delta']:.3g}, {time.perf_counter() - _STARTED:.1f} s ({loop}){private}\n"
+          f"run directory: {out_dir}")
 
 
 def _own_children():
@@ -389,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--only-epsilon", nargs="*", help="restrict to these target epsilons")
             s.add_argument("--jobs", type=int, default=1, help="runs in parallel (local transport)")
     from dpdro.common.config import DATASETS
-    from dpdro.simulations.tune import METHODS
+    from dpdro.simulations.tune import METHODS  # light: the tuner imports Optuna and torch only when it runs
 
     s = sub.add_parser("tune", help="Optuna search (TPE, median pruner) with the same budget per method on a "
                                     "validation split, top trials confirmed on more seeds; writes tuned configs and "
@@ -492,12 +582,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _loaded(module: str, name: str) -> tuple[type, ...]:
+    """The exception class ``module.name`` if that module is imported, else () : an error of a module never
+    imported cannot have been raised, and importing it here would cost `--help` and config errors torch."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return (cls,) if cls is not None else ()
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _STARTED
+    _STARTED = time.perf_counter()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     args = build_parser().parse_args(argv)
-    from dpdro.common.data import DataError
-    from dpdro.common.models import ModelError
+    from dpdro.common.data import DataError  # torch-free (common/data.py imports torch where tensors are built)
 
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "plan": cmd_plan, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
@@ -510,15 +608,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
         sys.stderr.close()
         return 0
-    except (ConfigError, DataError, ModelError) as e:
+    except (ConfigError, DataError) as e:
         print(f"dpdro: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - CLI boundary: one clear line, traceback only with -v logging
-        from dpdro.server.engine import ResumeError
-        from dpdro.server.ledger import PrivacyBudgetExceeded
-        from dpdro.server.rundir import RunFileError
-
-        if isinstance(e, (ResumeError, PrivacyBudgetExceeded, RunFileError)):
+        known = (_loaded("dpdro.common.models", "ModelError") + _loaded("dpdro.server.engine", "ResumeError")
+                 + _loaded("dpdro.server.ledger", "PrivacyBudgetExceeded")
+                 + _loaded("dpdro.server.rundir", "RunFileError"))
+        if isinstance(e, known):
             print(f"dpdro: error: {e}", file=sys.stderr)
             return 2
         raise

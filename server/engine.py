@@ -47,6 +47,15 @@ class ResumeError(ValueError):
     """A checkpoint cannot continue this run (other config, missing or corrupt files)."""
 
 
+class TrainingStopped(Exception):
+    """Training stopped at a user's request (``Progress.stop_requested``, e.g. Ctrl-C) after a checkpoint of
+    iteration ``iteration`` was written to ``out_dir``: the run continues with ``dpdro train --resume out_dir``."""
+
+    def __init__(self, iteration: int, iterations: int, out_dir: str) -> None:
+        super().__init__(f"stopped at iteration {iteration} of {iterations}; checkpoint written to {out_dir}")
+        self.iteration, self.iterations, self.out_dir = iteration, iterations, out_dir
+
+
 def resolve_delta(cfg: Config, n: int) -> float:
     """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
     raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
@@ -60,12 +69,28 @@ def resolve_delta(cfg: Config, n: int) -> float:
 
 @dataclass
 class Progress:
-    """Callbacks for the CLI layer: ``on_start(t)`` once before training (t > 0 when resuming), ``on_step(t)``
-    after each iteration, ``on_eval(row)`` after each evaluation (row = metrics dict)."""
+    """Callbacks for the CLI layer: ``on_note(text)`` for each line the engine also logs at INFO (the plan
+    header: n, delta, noise multipliers; where a resumed run restarts), ``on_start(t)`` once before training
+    (t > 0 when resuming), ``on_step(t)`` after each iteration, ``on_eval(row)`` after each evaluation (row =
+    metrics dict). ``stop_requested()`` is asked after each iteration: True writes a checkpoint and raises
+    ``TrainingStopped`` (how Ctrl-C stops a run at an iteration boundary, resumable)."""
 
     on_start: Callable[[int], None] = lambda t: None
     on_step: Callable[[int], None] = lambda t: None
     on_eval: Callable[[dict], None] = lambda row: None
+    on_note: Callable[[str], None] = lambda text: None
+    stop_requested: Callable[[], bool] = lambda: False
+
+
+def plan_line(n: int, delta: float, noise: dict[str, float]) -> str:
+    """The header of a run (the same line for ``dpdro train``, ``simulate`` and ``deploy``): n, delta and the
+    calibrated noise multiplier of every mechanism."""
+    return f"n={n} delta={delta:.3g} noise multipliers {({k: round(v, 4) for k, v in noise.items()})}"
+
+
+def _note(progress: Progress, text: str) -> None:
+    log.info("%s", text)
+    progress.on_note(text)
 
 
 @dataclass
@@ -120,7 +145,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
     plan, noise, profiles = plan_run(cfg, algo, n, delta)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
-    log.info("n=%d delta=%.3g noise multipliers %s", n, delta, {k: round(v, 4) for k, v in noise.items()})
+    _note(progress, plan_line(n, delta, noise))
     for warning in algo.regime_warnings(noise):
         log.warning("%s", warning)
 
@@ -135,6 +160,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     start = time.perf_counter()
     if resume:
         state, rows, wall_before, setup = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
+        _note(progress, f"resuming {rd.path} at iteration {state.t} of {cfg.iterations} (epsilon spent so far "
+                        f"{ledger.epsilon_spent():.4f})")
     else:
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         write_json(rd.config, meta_config)
@@ -187,8 +214,12 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             rows.append(eval_row())
             rd.write_metrics(rows)
             progress.on_eval(rows[-1])
-        if done or (cfg.checkpoint_every and state.t % cfg.checkpoint_every == 0):
+        stop = not done and progress.stop_requested()
+        # also after the first iteration: a run stopped early leaves a resumable directory
+        if done or stop or state.t == 1 or (cfg.checkpoint_every and state.t % cfg.checkpoint_every == 0):
             checkpoint()
+        if stop:
+            raise TrainingStopped(state.t, cfg.iterations, str(rd.path))
 
     releaser.monitor.close()
     spider = releaser.monitor.summary()
@@ -235,7 +266,6 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
         raise RunFileError(f"checkpoint {rd.checkpoint} is incomplete ({type(e).__name__}: {e}): it cannot be "
                            "resumed; start again with --overwrite (or in a new out-dir)") from None
     rd.truncate_events(state.t)
-    log.info("resumed %s at iteration %d (epsilon spent %.4f)", rd.path, state.t, ledger.epsilon_spent())
     setup = setup_releases.SetupResult.from_json(meta.get("setup", {}))
     return state, rows, wall_before, setup
 

@@ -73,16 +73,18 @@ ALPHA = 0.05  # the lower bound holds with confidence 1 - ALPHA
 
 @register_quantity(CANARY_QUANTITY)
 def canary_rows(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
-    """Audit-only per-record quantity: rows (B, D), D = int(extra[0]). Record features x (B, 2) are [slot i,
-    presence flag]; a present slot i < D gets CANARY_MAGNITUDE * flat[0] * e_i, every other row is 0. The
-    points are tokens (``_tokens``) with flat[0] = version + 1 > 0, so every combination the product forms
-    (refresh, difference (1, -1), STORM (1, -(1 - beta))) is a large positive multiple of e_i. Touches no
-    model: registered only when this module is imported (the audit, in-process)."""
+    """Audit-only per-record quantity: rows (B, D), D = int(extra[0]). A record (B, ...) carries its slot i in its
+    first feature and its presence flag in the second (``canary_dataset``); a present slot i < D gets
+    CANARY_MAGNITUDE * flat[0] * e_i, every other row is 0. The points are tokens (``_tokens``) with
+    flat[0] = version + 1 > 0, so every combination the product forms (refresh, difference (1, -1), STORM
+    (1, -(1 - beta))) is a large positive multiple of e_i. Touches no model: registered only when this module is
+    imported (the audit, in-process)."""
     dim = int(extra[0])
-    slot = x[:, 0].long()
+    features = x.reshape(x.shape[0], -1)
+    slot = features[:, 0].long()
     out = torch.zeros(x.shape[0], dim, dtype=flat.dtype, device=flat.device)
     live = torch.nonzero(slot < dim)[:, 0]
-    out[live, slot[live]] = CANARY_MAGNITUDE * flat[0] * x[live, 1].to(flat.dtype)
+    out[live, slot[live]] = CANARY_MAGNITUDE * flat[0] * features[live, 1].to(flat.dtype)
     return out
 
 
@@ -241,17 +243,21 @@ def release_targets(cfg: Config, n: int, dim: int, num_classes: int) -> list[Tar
     return out
 
 
-def canary_dataset(slots: int, num_classes: int) -> ArrayDataset:
-    """``slots`` records whose features are [slot index, presence flag 0] (the flag is set per trial)."""
-    x = torch.stack([torch.arange(slots, dtype=torch.float32), torch.zeros(slots)], dim=1)
+def canary_dataset(slots: int, num_classes: int, shape: tuple[int, ...] = (1, 28, 28)) -> ArrayDataset:
+    """``slots`` records of the data set's shape (the model is built and probed on it) whose first feature is
+    the slot index and second the presence flag (0 here, set per trial by ``_set_presence``); the rest is 0."""
+    x = torch.zeros(slots, *shape)
+    features = x.view(slots, -1)
+    features[:, 0] = torch.arange(slots, dtype=torch.float32)
     return ArrayDataset(x, torch.zeros(slots, dtype=torch.int64), num_classes, "audit-canary")
 
 
 def _set_presence(transport, present: np.ndarray) -> None:
     """Write each canary's presence flag into the shard that holds it (the auditor owns the data)."""
     for w in transport.workers:
-        slots = w.x[:, 0].long().cpu().numpy()
-        w.x[:, 1] = torch.as_tensor(present[slots], dtype=w.x.dtype, device=w.x.device)
+        features = w.x.view(w.x.shape[0], -1)  # a view: writes go to the worker's records
+        slots = features[:, 0].long().cpu().numpy()
+        features[:, 1] = torch.as_tensor(present[slots], dtype=w.x.dtype, device=w.x.device)
 
 
 def _tokens(query: Query) -> dict[int, np.ndarray]:

@@ -53,7 +53,8 @@ def test_lower_bound_is_below_the_true_epsilon_of_a_gaussian_and_zero_without_si
 
 
 def test_canary_rows_reach_the_clip_in_every_combination_the_product_forms():
-    x = torch.tensor([[0.0, 1.0], [2.0, 1.0], [1.0, 0.0], [5.0, 1.0]])  # slots 0, 2 present, 1 absent, 5 >= D
+    x = torch.zeros(4, 1, 3, 3)  # records of an image shape: slot and presence flag in the first two features
+    x.view(4, -1)[:, :2] = torch.tensor([[0.0, 1.0], [2.0, 1.0], [1.0, 0.0], [5.0, 1.0]])  # slot 1 absent, 5 >= D
     token = {v: torch.tensor([v + 1.0]) for v in (3, 4)}  # versions t - 1 = 3, t = 4
     new, old = (canary_rows(None, token[v], 0.0, x, None, None, (4.0,)) for v in (4, 3))
     assert new.shape == (4, 4)
@@ -130,3 +131,17 @@ def test_smoke_negative_control_is_caught_and_the_correct_release_is_not_flagged
     # the noise of the absent canaries' statistic is standard normal in claimed units
     assert math.isfinite(correct.bound.upper) or correct.bound.fpr == 0
     assert stats.norm.sf(correct.bound.threshold) == pytest.approx(correct.bound.fpr, abs=2e-4)
+
+
+def test_presence_flags_reach_the_workers_records(tmp_path):
+    from dpdro.client.local_transport import LocalTransport
+    from dpdro.simulations.canary_audit import _set_presence, canary_dataset
+
+    cfg = Config.from_mapping({"num-clients": 2, "out-dir": str(tmp_path)})
+    transport = LocalTransport(cfg, canary_dataset(30, 10))  # the model is built and probed on these records
+    present = np.arange(30) % 3 == 0
+    _set_presence(transport, present)
+    for w in transport.workers:
+        features = w.x.view(w.x.shape[0], -1)
+        assert torch.equal(features[:, 1].bool(), torch.as_tensor(present[features[:, 0].long().numpy()]))
+    assert sum(w.num_records for w in transport.workers) == 30

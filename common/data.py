@@ -101,6 +101,9 @@ class DatasetSpec:
     max-*-records, validation-fraction, split-seed); all of role 'data' (tests/test_registries.py).
     check: checks those keys' values before any file is read (ValueError naming the key); config validation
     calls it.
+    fingerprint(data_root): a digest of the files read (names, sizes, modification times) for user files that
+    may change under the same config keys; cacheable: False when not even that can be known (user code), so
+    that no shard cache is kept (``data_fingerprint``).
     """
 
     load: Loader
@@ -112,6 +115,8 @@ class DatasetSpec:
     keys: tuple[str, ...] = ()
     with_options: bool = False
     check: Callable[[Mapping[str, Any]], None] | None = None
+    fingerprint: Callable[[Path], str] | None = None
+    cacheable: bool = True
 
 
 def _entry_point_spec(obj: Any, path: str) -> DatasetSpec:
@@ -129,7 +134,7 @@ def _entry_point_spec(obj: Any, path: str) -> DatasetSpec:
     def load(split, data_root, cache_dir, download, split_seed, options):
         return _call_entry_point(obj, path, split, data_root, options)
 
-    return DatasetSpec(load, 0, "mlp", keys=("classes",), with_options=True)
+    return DatasetSpec(load, 0, "mlp", keys=("classes",), with_options=True, cacheable=False)
 
 
 def _as_tensor(value: Any, what: str, path: str) -> torch.Tensor:
@@ -554,9 +559,21 @@ register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
 # ---- user data (README "Your own data"): classes from the files or config key 'classes' ----
 register_dataset("image-folder", DatasetSpec(image_folder.load, 0, "convnet", keys=image_folder.KEYS,
-                                             with_options=True, check=image_folder.check_options))
+                                             with_options=True, check=image_folder.check_options,
+                                             fingerprint=image_folder.fingerprint))
 register_dataset("csv", DatasetSpec(tabular_data.load, 0, "mlp", keys=tabular_data.KEYS, with_options=True,
-                                    check=tabular_data.check_options))
+                                    check=tabular_data.check_options, fingerprint=tabular_data.fingerprint))
+
+
+def data_fingerprint(cfg) -> str | None:
+    """What, beyond the config keys, decides the records a data set yields, for caches of derived data (the
+    Flower client's shard cache): '' for fixed files (the built-ins: checked against their md5 or headers), a
+    digest of the names, sizes and modification times of user files (csv, image-folder), None when unknowable
+    (user code by import path: keep no cache)."""
+    spec = DATASETS.get_entry(cfg.dataset)
+    if not spec.cacheable:
+        return None
+    return spec.fingerprint(resolve_data_root(cfg.data_root)) if spec.fingerprint is not None else ""
 
 
 def data_missing(cfg) -> str | None:

@@ -132,6 +132,13 @@ def _stamp(folder: Path) -> tuple:
     return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file())
 
 
+def fingerprint(data_root: Path) -> str:
+    """Digest of every file's path, size and modification time under the data root."""
+    import hashlib
+
+    return hashlib.sha256(repr(_stamp(data_root) if data_root.is_dir() else ()).encode()).hexdigest()[:20]
+
+
 def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
          options: Mapping[str, Any]) -> LoadedSplit:
     """The 'train' or 'test' split: images uint8 (N, C, S, S) (or float32 with a declared normalisation), labels

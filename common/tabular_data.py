@@ -92,6 +92,14 @@ def files(data_root: Path) -> tuple[Path, Path | None]:
     return data_root / "train.csv", test if test.is_file() else None
 
 
+def fingerprint(data_root: Path) -> str:
+    """Digest of the CSV files' paths, sizes and modification times ('' parts for missing files)."""
+    import hashlib
+
+    parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files(data_root) if p and p.is_file()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
 def _column(header: list[str], name: str, path: Path, key: str) -> int:
     if name not in header:
         raise DataError(f"{path}: no column {name!r} (config key '{key}'); the header has: {', '.join(header)}")

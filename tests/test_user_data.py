@@ -313,3 +313,22 @@ def test_user_models_that_cannot_be_trained_per_record_are_refused_before_traini
     with pytest.raises(ModelError, match=message):
         run_one(keys)
     assert not (out / "summary.json").exists() and not (out / "ledger.json").exists()
+
+
+def test_flower_shard_cache_follows_changes_of_user_files(csv_root, tmp_path, user_code):
+    """A Flower node caches its shard under a hash of the data keys: for user files the hash also covers their
+    sizes and modification times (an edited CSV is read again), and user code keeps no cache at all."""
+    import os
+
+    from dpdro.client.flower.app import _load_shard, shard_cache_path
+
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(csv_root), "cache-dir": str(tmp_path / "cache"),
+                               "num-clients": 2})
+    first = _load_shard(cfg, 0)
+    path = shard_cache_path(cfg, 0)
+    assert path.is_file() and len(first) == 200
+    write_csv(csv_root / "train.csv", easy_rows(100, 5), HEADER)
+    os.utime(csv_root / "train.csv", ns=(1, 1))  # a different modification time even within the clock's tick
+    assert shard_cache_path(cfg, 0) != path and len(_load_shard(cfg, 0)) == 50
+    assert shard_cache_path(Config.from_mapping({"dataset": "user_code:blobs"}), 0) is None
+    assert len(_load_shard(Config.from_mapping({"dataset": "user_code:blobs", "num-clients": 3}), 1)) == 100

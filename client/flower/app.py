@@ -58,13 +58,18 @@ def _config(context: Context) -> Config:
 
 def shard_cache_path(cfg: Config, pid: int):
     """Local file of partition ``pid``'s shard: ``<cache-dir>/shards/<dataset>-<hash>-p<pid>-of-<N>.npz``,
-    the hash over every configuration key that can change the data (``DATA_KEYS``)."""
+    the hash over every configuration key that can change the data (``DATA_KEYS``) and, for user files, their
+    ``data_fingerprint`` (names, sizes, modification times). None for user code (no cache: its data may change
+    unseen)."""
     import hashlib
     import json
 
-    from ...common.data import resolve_cache_dir
+    from ...common.data import data_fingerprint, resolve_cache_dir
 
-    values = {k: v for k, v in sorted(cfg.to_dict().items()) if k in DATA_KEYS}
+    files = data_fingerprint(cfg)
+    if files is None:
+        return None
+    values = {k: v for k, v in sorted(cfg.to_dict().items()) if k in DATA_KEYS} | ({"files": files} if files else {})
     digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return resolve_cache_dir(cfg.cache_dir) / "shards" / f"{cfg.dataset}-{digest}-p{pid}-of-{cfg.num_clients}.npz"
 
@@ -82,7 +87,7 @@ def _load_shard(cfg: Config, pid: int):
     from ...common.partition import make_partition
 
     path = shard_cache_path(cfg, pid)
-    if path.is_file():
+    if path is not None and path.is_file():
         try:
             with np.load(path, allow_pickle=False) as z:
                 groups = torch.from_numpy(z["groups"]) if int(z["num_groups"]) else None
@@ -92,6 +97,8 @@ def _load_shard(cfg: Config, pid: int):
             log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
     train = load_from_config(cfg, train=True)
     shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
+    if path is None:
+        return shard
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.part.npz")
@@ -114,7 +121,7 @@ def _num_records(cfg: Config, pid: int) -> int:
     key = (_run_key(cfg), pid)
     if key not in _WORKERS:
         path = shard_cache_path(cfg, pid)
-        if path.is_file():
+        if path is not None and path.is_file():
             try:
                 with np.load(path, allow_pickle=False) as z:
                     return int(z["y"].shape[0])

@@ -130,8 +130,9 @@ _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-sourc
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
-          "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", *_DUAL),
-    quantities=("dual-x", "dual-x-wac", "dual-eta"), uses_eta=True, dro=True,
+          "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", "dro-level",
+          "beta", *_DUAL),
+    quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "lr-eta": _LR_ETA, "psi": Choice(("chi2", "kl")),
@@ -141,8 +142,8 @@ declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
-          "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp"),
-    quantities=("kl-vu", "kl-g"), dro=True,
+          "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp", "dro-level", "dro-clip", "weight-cap"),
+    quantities=("kl-vu", "kl-g", "group-loss", "group-weighted-grad"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True)},
     # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
     # (whose logit-adjusted losses exceed 4) in play; the clips are in the units of the update (every trial of

@@ -268,6 +268,11 @@ FIELDS: tuple[Field, ...] = (
           "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
           "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
           choices=("fixed", "weight-bound"), role="algorithm"),
+    Field("dro-level", "str", "record", "Uncertainty set of dp-double-spider and recursive-spider: 'record' (the "
+          "paper's: a psi-divergence ball over records) or 'group' (over the K classes: q near the class priors pi, "
+          "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
+          "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
+          choices=("record", "group"), role="algorithm"),
     Field("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
           "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
           "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
@@ -302,7 +307,9 @@ FIELDS: tuple[Field, ...] = (
     Field("u-scale", "float", 1.0, "c_u: the d_lambda block is multiplied by c_u before the joint clip of "
           "recursive-spider's v/u release (and divided after), so it is not swamped by the d-dim block.",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w).",
+    Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w) (at "
+          "dro-level=group: of its group-loss estimate; dp-double-spider at dro-level=group: the weight of the newest "
+          "SPIDER estimate in the exponential average of the group losses).",
           low=0.0, high=1.0, role="algorithm"),
     Field("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
           high=1.0, role="algorithm"),
@@ -566,7 +573,12 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
     @property
     def uses_priors(self) -> bool:
         """Whether the run needs class priors pi (a logit adjustment at training or at prediction)."""
-        return self.tau > 0 or self.posthoc_tau > 0
+        return self.tau > 0 or self.posthoc_tau > 0 or self.group_level
+
+    @property
+    def group_level(self) -> bool:
+        """Whether the run is group-level DRO (dro-level=group of an algorithm that reads it): it needs priors."""
+        return self.dro_level == "group" and "dro-level" in ALGORITHM_SPECS[self.algorithm].keys
 
     @property
     def private_eta_init(self) -> bool:

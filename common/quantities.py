@@ -176,6 +176,33 @@ def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tens
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
 
 
+@register_quantity("group-loss")
+def group_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
+    """e_y min(l, B) per record, shape (B, K) with K = len(extra): summed, the K-vector of group (class) loss sums
+    behind dro-level=group (ALGORITHMS.md 3.3). One record touches one coordinate, so a row's norm is
+    min(l, B) <= B; a SPIDER or STORM combination of two points has norm |c(l_t) - c' c(l_{t-1})|."""
+    with torch.no_grad():
+        losses = torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound)
+    return torch.nn.functional.one_hot(y, len(extra)).to(flat.dtype) * losses.unsqueeze(1)
+
+
+@register_quantity("group-weighted-grad")
+def group_weighted_grad(model, flat, index, x, y, problem, extra=()) -> torch.Tensor:
+    """w_y c(grad_x l) per record, shape (B, d), for dro-level=group (ALGORITHMS.md 3.3).
+
+    extra = (C_g, K, w^(0)_1..w^(0)_K[, w^(1)_1..w^(1)_K]): the public group weights of each point of the query, and
+    the point's scalar ``index`` (0 or 1) says which set this point uses (a SPIDER difference pairs the weights of
+    x_t with x_t and those of x_{t-1} with x_{t-1}). c = clip_{C_g} when C_g is finite (dro-clip=weight-after-clip:
+    the row's norm is <= C_g max_k w_k, the weights survive the clip), the identity when C_g = inf
+    (dro-clip=product: the client's clip of the whole row then applies, as for clip_C(w grad l))."""
+    grad_clip, k, j = float(extra[0]), int(extra[1]), int(round(index))
+    w = torch.as_tensor(list(extra[2 + j * k:2 + (j + 1) * k]), dtype=flat.dtype, device=flat.device)
+    grads = model.losses_and_grads(flat, x, y, problem.offset)[1]
+    if math.isfinite(grad_clip):
+        grads = clip_rows(grads, grad_clip)
+    return grads * w[y].unsqueeze(1)
+
+
 def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:
     """The bounded loss of the KL terms (ALGORITHMS.md 2.4), same shape and dtype as ``losses``.
 

@@ -169,7 +169,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         for stage in setup_releases.stages(cfg, test.num_classes):
             releaser.offset = setup.offset(cfg.tau)
             setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
-        state = algo.start_state(x0, setup.eta0)
+        state = algo.start_state(x0, setup.eta0, setup.priors)
     releaser.offset = setup.offset(cfg.tau)
     prediction_shift = _prediction_shift(cfg, setup)
 

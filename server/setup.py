@@ -59,7 +59,7 @@ class SetupResult:
 def mechanisms(cfg) -> dict[Mechanism, int]:
     """The one-off releases this configuration needs (each released once)."""
     out = {}
-    if cfg.private and cfg.uses_priors and cfg.class_prior == "private":
+    if cfg.uses_priors and cfg.class_prior == "private":  # also without privacy: stages() takes it (noise 0)
         out[Mechanism(HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
     if cfg.private_eta_init:
         out[Mechanism(ETA_INIT, 1.0, fixed_noise=cfg.eta_init_noise_multiplier)] = 1

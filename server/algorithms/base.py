@@ -78,6 +78,12 @@ class Algorithm(ABC):
         self.dim = dim
         self.num_classes = num_classes
 
+    @classmethod
+    def variant_for(cls, cfg) -> type[Algorithm]:
+        """The class that runs ``cfg`` (this one; an algorithm with variants, such as dro-level=group, returns
+        the variant's class)."""
+        return cls
+
     def rate(self, expected_batch: int) -> float:
         """Poisson sampling rate for an expected batch size (capped at 1)."""
         return min(1.0, expected_batch / self.n)
@@ -94,9 +100,11 @@ class Algorithm(ABC):
     def init_state(self, x0: np.ndarray) -> State:
         """Initial state from the initial flat parameters x0 (d,) float64 (public initialisation)."""
 
-    def start_state(self, x0: np.ndarray, eta0: float | None = None) -> State:
+    def start_state(self, x0: np.ndarray, eta0: float | None = None,
+                    priors: tuple[float, ...] | None = None) -> State:
         """``init_state(x0)`` with the dual variable (every eta field: eta, eta_prev, eta_next, eta_out) set to
-        ``eta0`` when given (the private eta initialisation of server/setup.py)."""
+        ``eta0`` when given (the private eta initialisation of server/setup.py). ``priors`` (K,): the class priors
+        of the setup, for algorithms that need them (group-level DRO); unused here."""
         state = self.init_state(x0)
         if eta0 is None:
             return state

@@ -56,6 +56,7 @@ from ...common.rng import site_rng
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
+from .group_dro import GroupDoubleSpider
 from .registry import register_algorithm
 
 
@@ -82,6 +83,11 @@ class DoubleSpider(Algorithm):
     """DP Double-SPIDER: refresh-batch is N1 = N3, diff-batch N2 = N4 (config keys: its AlgorithmSpec in
     common/algorithm_specs.py)."""
 
+
+    @classmethod
+    def variant_for(cls, cfg) -> type[Algorithm]:
+        """dro-level=group runs ``GroupDoubleSpider`` (server/algorithms/group_dro.py)."""
+        return GroupDoubleSpider if cfg.dro_level == "group" else cls
 
     def mechanisms(self) -> list[Mechanism]:
         c = self.cfg

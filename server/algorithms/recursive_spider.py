@@ -50,6 +50,7 @@ from ...common.messages import Point, Query
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
 from .base import Algorithm, State
+from .group_dro import GroupRecursiveSpider
 from .registry import register_algorithm
 
 
@@ -73,6 +74,11 @@ class RecursiveSpider(Algorithm):
     """DP Recursive-Spider: clip-x is the joint v/u refresh clip, loss-bound B, u-scale c_u (config keys: its
     AlgorithmSpec in common/algorithm_specs.py)."""
 
+
+    @classmethod
+    def variant_for(cls, cfg) -> type[Algorithm]:
+        """dro-level=group runs ``GroupRecursiveSpider`` (server/algorithms/group_dro.py)."""
+        return GroupRecursiveSpider if cfg.dro_level == "group" else cls
 
     def mechanisms(self) -> list[Mechanism]:
         c = self.cfg

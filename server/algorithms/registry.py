@@ -33,4 +33,7 @@ def register_algorithm(spec: str | AlgorithmSpec):
 
 def make_algorithm(cfg, n: int, dim: int, num_classes: int = 10) -> Algorithm:
     """The algorithm named by config key ``algorithm``. Raises ValueError for an unknown name."""
-    return ALGORITHMS.get_entry(cfg.algorithm)(cfg, n, dim, num_classes)
+    cls = ALGORITHMS.get_entry(cfg.algorithm)
+    algo = cls.variant_for(cfg)(cfg, n, dim, num_classes)
+    algo.name, algo.spec = cls.name, cls.spec  # a variant runs under its algorithm's name
+    return algo

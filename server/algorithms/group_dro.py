@@ -1,0 +1,346 @@
+"""Group-level DRO in the paper's two frameworks (config dro-level=group; ALGORITHMS.md 3.3 and 4.3).
+
+The uncertainty set is over groups (the K classes) instead of records: with pi the group frequencies and
+l_k(x) the mean loss of group k,
+
+    F(x) = max_{q in simplex_K} sum_k q_k l_k(x) - lambda D_psi(q || pi)          (dp-double-spider, group)
+    Psi(x, lambda) = lambda log sum_k pi_k exp(l_k(x) / lambda) + lambda rho      (recursive-spider, group)
+
+and the gradient in x of either is sum_k pi_k w_k grad l_k(x) = (1/n) sum_i w_{y_i} grad l(x; xi_i) with group
+weights w_k = q_k / pi_k. Each iteration makes two releases in two rounds, both over independent Poisson batches:
+
+  stage 0, the group losses at x_t: the K-vector m_k = (1/n) sum_{i in k} min(l_i, B) of group loss sums
+     ('group-loss' quantity, e_y min(l, B) per record: one record touches one coordinate, norm <= B).
+     dp-double-spider estimates m by SPIDER ('group-refresh' every q iterations, clip B; 'group-diff' otherwise,
+     the difference at x_t and x_{t-1} clipped at min(C_diff ||x_t - x_{t-1}||, B)) and smooths the estimate by
+     an exponential average of weight beta (post-processing); recursive-spider by STORM ('group-storm':
+     m_t = noisy mean of e_y (c(l_t) - (1 - beta) c(l_{t-1})) + (1 - beta) m_{t-1}, clip
+     min(beta B + C_diff ||x_t - x_{t-1}||, B); t = 0: the plain mean, clip B).
+     The group losses are l^_k = min(max(m_k / pi_k, 0), B), pi the class priors of the private histogram
+     released (and charged) before training.
+  then the weights (public functions of released values only):
+     dp-double-spider: w_k = min(psi*'((l^_k - G eta) / lambda), W_cap) with the dual variable eta solved
+       exactly, sum_k pi_k w_k = 1 (bisection: the left side is non-increasing in eta); the dual's gradient
+       G (1 - sum_k pi_k w_k) is a public function of l^, so no record is touched for eta.
+     recursive-spider: g_k = exp((l^_k - B) / lambda), s = sum_k pi_k g_k, w_k = min(g_k / s, W_cap), and the
+       lambda step z_lambda = log s + rho + sum_k pi_k w_k (B - l^_k) / lambda (the exact d Psi / d lambda).
+  stage 1, the model: SPIDER over the weighted gradient, 'x-refresh' (t mod q == 0) or 'x-diff', with the public
+     weights of each point ('group-weighted-grad'): dro-clip=product clips w_y grad l at clip-x (sensitivity
+     clip-x); dro-clip=weight-after-clip sends w_y clip_{C_x}(grad l), sensitivity C_x max_k w_k (clipped there
+     as a guard). A difference is clipped at C_t = min(C_diff W_t ||x_t - x_{t-1}|| + C_x max_k |w_k - w'_k|,
+     C_max): the weights change between the two points, and both bounds are public.
+     x_{t+1} = x_t - lr-x b_t.
+
+Every per-record vector has a public clip, so each release is a Poisson-subsampled Gaussian mechanism in the
+ledger like the record-level releases; the group losses cost a K-dimensional release per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from ...common.messages import Point, Query
+from ...common.psi import make_psi
+from ..allocation import NoiseProfile
+from ..ledger import Mechanism
+from .base import Algorithm, State
+
+
+@dataclasses.dataclass
+class GroupState(State):
+    """x, x_prev: (d,) float64 iterates; b: (d,) SPIDER estimate of the weighted gradient; m: (K,) estimate of the
+    group loss sums (per n); m_avg: (K,) its exponential average (dp-double-spider); pi: (K,) group priors (the
+    released histogram); w, w_prev: (K,) group weights used at x_t and x_{t-1}; dual: eta (dp-double-spider) or
+    lambda (recursive-spider); dual_prev: its previous value; s: the released g estimate (recursive-spider)."""
+
+    x: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    x_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    b: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    m: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    m_avg: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    pi: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    w: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    w_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    dual: float = 0.0
+    dual_prev: float = 0.0
+    s: float = 1.0
+
+
+class GroupDro(Algorithm):
+    """The shared machinery of both group-level methods (module docstring): the group-loss estimate (``loss_*``
+    hooks), the weights (``weights``) and the SPIDER x block. Subclasses: ``GroupDoubleSpider``,
+    ``GroupRecursiveSpider``."""
+
+    loss_mechanisms: tuple[str, ...] = ()
+
+    # ---- what subclasses define ----
+    def loss_query(self, state: GroupState) -> Query:
+        raise NotImplementedError
+
+    def absorb_losses(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
+        """State with m (and m_avg) from the group-loss release."""
+        raise NotImplementedError
+
+    def weights(self, state: GroupState, losses: np.ndarray) -> tuple[np.ndarray, float]:
+        """(w (K,), new dual value) from the group losses l^ (K,)."""
+        raise NotImplementedError
+
+    def dual_init(self) -> float:
+        raise NotImplementedError
+
+    # ---- shared ----
+    @property
+    def k(self) -> int:
+        return self.num_classes
+
+    @property
+    def weight_after_clip(self) -> bool:
+        return self.cfg.dro_clip == "weight-after-clip"
+
+    def mechanisms(self) -> list[Mechanism]:
+        c = self.cfg
+        return [*self.loss_mechanism_list(), Mechanism("x-refresh", self.rate(c.refresh_batch)),
+                Mechanism("x-diff", self.rate(c.diff_batch))]
+
+    def loss_mechanism_list(self) -> list[Mechanism]:
+        raise NotImplementedError
+
+    def plan(self) -> dict[Mechanism, int]:
+        T, q = self.cfg.iterations, self.cfg.q
+        refreshes = math.ceil(T / q)
+        m = {mech.name: mech for mech in self.mechanisms()}
+        out = {m["x-refresh"]: refreshes, m["x-diff"]: T - refreshes}
+        out.update(self.loss_plan(m, T, refreshes))
+        return out
+
+    def loss_plan(self, m: dict[str, Mechanism], T: int, refreshes: int) -> dict[Mechanism, int]:
+        raise NotImplementedError
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        return [("x-refresh", "x-diff")]
+
+    def init_state(self, x0: np.ndarray) -> GroupState:
+        x0 = np.asarray(x0, dtype=np.float64)
+        k = self.k
+        uniform = np.full(k, 1.0 / k)
+        return GroupState(x=x0.copy(), x_prev=x0.copy(), b=np.zeros_like(x0), m=np.zeros(k), m_avg=np.zeros(k),
+                          pi=uniform, w=np.ones(k), w_prev=np.ones(k), dual=self.dual_init(),
+                          dual_prev=self.dual_init())
+
+    def start_state(self, x0: np.ndarray, eta0: float | None = None,
+                    priors: tuple[float, ...] | None = None) -> GroupState:
+        """The initial state with the released class priors pi (K,); ValueError without them (the setup
+        releases the histogram for every group-level run, server/setup.py)."""
+        if priors is None or len(priors) != self.k:
+            raise ValueError(f"dro-level=group needs the class priors of the setup release, got {priors!r}")
+        state = self.init_state(x0)
+        state.pi = np.asarray(priors, dtype=np.float64)
+        return state
+
+    def versions(self, state: GroupState) -> dict[int, np.ndarray]:
+        return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
+
+    def group_losses(self, state: GroupState, m: np.ndarray) -> np.ndarray:
+        """l^_k = min(max(m_k / pi_k, 0), B) (K,): post-processing of the released sums and priors."""
+        return np.clip(m / state.pi, 0.0, self.cfg.loss_bound)
+
+    def _weight_clip(self, w: np.ndarray) -> float:
+        return self.cfg.clip_x * float(np.max(w)) if self.weight_after_clip else self.cfg.clip_x
+
+    def x_query(self, state: GroupState) -> Query:
+        c, t = self.cfg, state.t
+        grad_clip = c.clip(c.clip_x) if self.weight_after_clip else math.inf
+        if t % c.q == 0:
+            extra = (grad_clip, self.k, *state.w)
+            return Query(t, "x-refresh", "group-weighted-grad", (Point(t, 0.0),), self.rate(c.refresh_batch),
+                         c.clip(self._weight_clip(state.w)), self.dim, extra=extra)
+        dx = float(np.linalg.norm(state.x - state.x_prev))
+        w_top = max(float(np.max(state.w)), float(np.max(state.w_prev))) if self.weight_after_clip else 1.0
+        dw = float(np.max(np.abs(state.w - state.w_prev)))
+        clip = c.clip(min(c.clip_diff * w_top * dx + c.clip_x * dw, c.clip_diff_max))
+        extra = (grad_clip, self.k, *state.w, *state.w_prev)
+        return Query(t, "x-diff", "group-weighted-grad", (Point(t, 0.0), Point(t - 1, 1.0)),
+                     self.rate(c.diff_batch), clip, self.dim, extra=extra)
+
+    def queries(self, state: GroupState) -> list[Query]:
+        return [self.loss_query(state)] if state.stage == 0 else [self.x_query(state)]
+
+    def apply(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
+        if state.stage == 0:
+            s = self.absorb_losses(state, released)
+            w, dual = self.weights(s, self.group_losses(s, s.m_avg))
+            if state.t > 0:
+                s.w_prev = state.w
+            s.w, s.dual_prev, s.dual = w, state.dual, dual
+            s.stage = 1
+            return s
+        s = dataclasses.replace(state)
+        s.b = released["x-refresh"] if "x-refresh" in released else state.b + released["x-diff"]
+        s.x_prev, s.x = state.x, state.x - self.cfg.lr_x * s.b
+        s.t, s.stage = state.t + 1, 0
+        return s
+
+    def output(self, state: GroupState) -> tuple[np.ndarray, float]:
+        return state.x, state.dual
+
+    def diagnostics(self, state: GroupState) -> dict[str, float]:
+        return {"dual": state.dual, "w_max": float(np.max(state.w)), "w_min": float(np.min(state.w)),
+                "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+
+    def x_profiles(self) -> dict[str, NoiseProfile]:
+        c = self.cfg
+        w_nominal = c.weight_cap if self.weight_after_clip and math.isfinite(c.weight_cap) else 1.0
+        return {"x-refresh": NoiseProfile(self.dim, c.clip_x * w_nominal, c.q),
+                "x-diff": NoiseProfile(self.dim, c.clip_diff_max, c.q / 2)}
+
+    def loss_importance(self) -> float:
+        """How much a unit of noise in a released group-loss sum reaches the update, relative to a unit in one
+        x coordinate: an error e in m_k moves l^_k by e / pi_k and w_k by about w_k e / (pi_k lambda), which moves
+        the update by pi_k that times |grad l_k| <= C_x: (C_x W / lambda)^2 in variance, W the nominal weight
+        (server/allocation.py's proxy)."""
+        c = self.cfg
+        w = c.weight_cap if math.isfinite(c.weight_cap) else 3.0
+        return (c.clip_x * w / self.dual_scale()) ** 2
+
+    def dual_scale(self) -> float:
+        return self.cfg.lambda_
+
+
+def solve_eta(losses: np.ndarray, pi: np.ndarray, psi, lam: float, eta_scale: float, cap: float) -> float:
+    """The dual variable eta with sum_k pi_k min(psi*'((l_k - G eta) / lambda), cap) = 1, by bisection (the sum is
+    non-increasing in eta and exceeds 1 for eta low enough when cap > 1; ALGORITHMS.md 3.3).
+
+    losses, pi: (K,) float64 (pi > 0, sum 1); returns eta (float). Post-processing of public values only."""
+    lt = torch.as_tensor(losses, dtype=torch.float64)
+    pt = torch.as_tensor(pi, dtype=torch.float64)
+
+    def mass(eta: float) -> float:
+        w = psi.weight((lt - eta_scale * eta) / lam)
+        return float((pt * torch.clamp(w, max=cap)).sum())
+
+    lo, hi = (float(lt.min()) - lam) / eta_scale, (float(lt.max()) + lam) / eta_scale
+    step = lam / eta_scale
+    while mass(lo) < 1.0:  # lower until the weights' mass exceeds 1 (it does: cap > 1, psi*' unbounded above)
+        lo -= step
+        step *= 2
+    step = lam / eta_scale
+    while mass(hi) > 1.0:
+        hi += step
+        step *= 2
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if mass(mid) > 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+class GroupDoubleSpider(GroupDro):
+    """dp-double-spider with dro-level=group: SPIDER group-loss sums smoothed by beta, eta solved exactly."""
+
+    def loss_mechanism_list(self) -> list[Mechanism]:
+        c = self.cfg
+        return [Mechanism("group-refresh", self.rate(c.refresh_batch), c.eta_noise_ratio),
+                Mechanism("group-diff", self.rate(c.diff_batch), c.eta_noise_ratio)]
+
+    def loss_plan(self, m, T, refreshes):
+        return {m["group-refresh"]: refreshes, m["group-diff"]: T - refreshes}
+
+    def spider_pairs(self) -> list[tuple[str, str]]:
+        return [("group-refresh", "group-diff"), ("x-refresh", "x-diff")]
+
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        c, imp = self.cfg, self.loss_importance()
+        return {"group-refresh": NoiseProfile(self.k, c.loss_bound, c.q * imp),
+                "group-diff": NoiseProfile(self.k, c.loss_bound, c.q / 2 * imp), **self.x_profiles()}
+
+    def dual_init(self) -> float:
+        return self.cfg.eta_init
+
+    def start_state(self, x0, eta0=None, priors=None) -> GroupState:
+        state = super().start_state(x0, eta0, priors)
+        if eta0 is not None:
+            state.dual = state.dual_prev = float(eta0)
+        return state
+
+    def loss_query(self, state: GroupState) -> Query:
+        c, t = self.cfg, state.t
+        extra = (0.0,) * self.k
+        if t % c.q == 0:
+            return Query(t, "group-refresh", "group-loss", (Point(t, 0.0),), self.rate(c.refresh_batch),
+                         c.clip(c.loss_bound), self.k, extra=extra)
+        dx = float(np.linalg.norm(state.x - state.x_prev))
+        return Query(t, "group-diff", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(c.diff_batch),
+                     c.clip(min(c.clip_diff * dx, c.loss_bound)), self.k, extra=extra)
+
+    def absorb_losses(self, state, released):
+        s = dataclasses.replace(state)
+        s.m = released["group-refresh"] if "group-refresh" in released else state.m + released["group-diff"]
+        beta = self.cfg.beta
+        s.m_avg = s.m.copy() if state.t == 0 else (1.0 - beta) * state.m_avg + beta * s.m
+        return s
+
+    def weights(self, state, losses):
+        c = self.cfg
+        psi = make_psi(c.psi, c.cvar_alpha)
+        cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
+        eta = solve_eta(losses, state.pi, psi, c.lambda_, c.eta_scale, cap)
+        w = psi.weight(torch.as_tensor((losses - c.eta_scale * eta) / c.lambda_, dtype=torch.float64)).numpy()
+        return np.minimum(w, cap), eta
+
+
+class GroupRecursiveSpider(GroupDro):
+    """recursive-spider with dro-level=group: STORM group-loss sums, KL weights g_k / s, lambda by its exact
+    gradient."""
+
+    def loss_mechanism_list(self) -> list[Mechanism]:
+        return [Mechanism("group-storm", self.rate(self.cfg.s_batch), self.cfg.s_noise_ratio)]
+
+    def loss_plan(self, m, T, refreshes):
+        return {m["group-storm"]: T}
+
+    def noise_profiles(self) -> dict[str, NoiseProfile]:
+        c = self.cfg
+        storm = 1.0 / (1.0 - (1.0 - c.beta) ** 2) if c.beta > 0 else float(c.iterations)
+        return {"group-storm": NoiseProfile(self.k, c.loss_bound, storm * self.loss_importance()),
+                **self.x_profiles()}
+
+    def dual_init(self) -> float:
+        return self.cfg.lambda_init
+
+    def dual_scale(self) -> float:
+        return self.cfg.lambda_init
+
+    def loss_query(self, state: GroupState) -> Query:
+        c, t = self.cfg, state.t
+        extra = (0.0,) * self.k
+        if t == 0:
+            return Query(t, "group-storm", "group-loss", (Point(t, 0.0),), self.rate(c.s_batch),
+                         c.clip(c.loss_bound), self.k, extra=extra)
+        dx = float(np.linalg.norm(state.x - state.x_prev))
+        clip = c.clip(min(c.beta * c.loss_bound + c.clip_diff * dx, c.loss_bound))
+        return Query(t, "group-storm", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(c.s_batch),
+                     clip, self.k, coefs=(1.0, -(1.0 - c.beta)), extra=extra)
+
+    def absorb_losses(self, state, released):
+        s = dataclasses.replace(state)
+        term = released["group-storm"]
+        s.m = term if state.t == 0 else term + (1.0 - self.cfg.beta) * state.m
+        s.m_avg = s.m
+        return s
+
+    def weights(self, state, losses):
+        c, lam = self.cfg, state.dual
+        g = np.exp((losses - c.loss_bound) / lam)
+        s = float(np.dot(state.pi, g))
+        w = g / s
+        z_lam = math.log(s) + c.rho + float(np.dot(state.pi * w, c.loss_bound - losses)) / lam
+        state.s = s
+        new_lam = min(max(lam - c.lr_lambda * z_lam, c.lambda0), c.lambda_max)
+        cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
+        return np.minimum(w, cap), new_lam

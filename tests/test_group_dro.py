@@ -1,0 +1,179 @@
+"""Group-level DRO (dro-level=group) in DP Double-SPIDER and Recursive-Spider (issue 22 item 3; ALGORITHMS.md 3.3,
+4.3): with the full batch and no noise both telescope to exact gradient steps on their group-level objectives,
+computed here independently; the per-record quantities and the release clips are what the docstrings state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import brentq
+
+from dpdro.client.local_transport import LocalTransport
+from dpdro.common.config import Config
+from dpdro.common.data import ArrayDataset
+from dpdro.common.models import make_model
+from dpdro.common.per_sample import FlatModel, clip_rows
+from dpdro.common.psi import make_psi
+from dpdro.common.quantities import QUANTITIES, Problem
+from dpdro.server.algorithms import make_algorithm
+from dpdro.server.algorithms.group_dro import GroupDoubleSpider, GroupRecursiveSpider, solve_eta
+from dpdro.server.engine import train
+
+N, K = 30, 10
+
+
+def tiny_data() -> ArrayDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(N, 1, 28, 28, generator=g, dtype=torch.float64) * 2 - 1
+    sizes = [1, 2, 3, 4, 1, 2, 3, 4, 5, 5]  # unequal groups, N records
+    y = torch.tensor([k for k in range(K) for _ in range(sizes[k])])
+    return ArrayDataset(x, y, K, "tiny")
+
+
+def cfg_of(tmp_path, **kw) -> Config:
+    values = {"epsilon": "inf", "refresh-batch": N, "diff-batch": N, "s-batch": N, "num-clients": 2,
+              "dtype": "float64", "reproducible": True, "iterations": 4, "q": 2, "eval-every": 4,
+              "out-dir": str(tmp_path / "run"), "lr-x": 0.5, "seed": 3, "dro-level": "group", "beta": 1.0,
+              "loss-bound": 3.0}
+    values.update(kw)
+    return Config.from_mapping(values)
+
+
+def reference(data, cfg, weights_and_dual, dual0):
+    """x after cfg.iterations exact steps x <- x - lr (1/n) sum_i w_{y_i} grad l_i, w from the exact class mean
+    losses (clamped at B) and the exact class frequencies."""
+    model = FlatModel(make_model("cnn", K, cfg.seed, torch.float64))
+    x, y = model.initial().clone(), data.y.numpy()
+    counts = np.bincount(y, minlength=K).astype(float)
+    pi = counts / counts.sum()
+    dual = dual0
+    for _ in range(cfg.iterations):
+        xx = x.detach().requires_grad_(True)
+        losses = model.losses(xx, data.x, data.y)
+        clamped = np.minimum(losses.detach().numpy(), cfg.loss_bound)
+        lk = np.array([clamped[y == k].mean() for k in range(K)])
+        w, dual = weights_and_dual(lk, pi, dual)
+        (g,) = torch.autograd.grad((torch.as_tensor(w)[data.y] * losses).mean(), xx)
+        x = x.detach() - cfg.lr_x * g
+    return x.numpy()
+
+
+def kl_double_spider_weights(cfg):
+    def step(lk, pi, dual):
+        cap = cfg.weight_cap
+        mass = lambda eta: float(np.dot(pi, np.minimum(np.exp((lk - eta) / cfg.lambda_), cap))) - 1.0  # noqa: E731
+        eta = brentq(mass, -50, 50, xtol=1e-13)
+        return np.minimum(np.exp((lk - eta) / cfg.lambda_), cap), eta
+    return step
+
+
+@pytest.mark.parametrize("cap", [math.inf, 1.5])
+def test_group_double_spider_full_batch_is_gradient_descent_on_the_group_kl_dro(tmp_path, cap):
+    """q = 2: the SPIDER differences (of the group loss sums and of the weighted gradient, whose weights change
+    between the two points) telescope to the exact values at every step; beta = 1: no averaging."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **{"lambda": 0.7, "weight-cap": cap})
+    expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0)
+    np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_group_recursive_spider_full_batch_is_gradient_descent_on_the_group_kl_objective(tmp_path):
+    """Weights g_k / s with g_k = exp((l_k - B) / lambda), and lambda's exact gradient step (projected)."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **{"lambda-init": 0.8, "lr-lambda": 0.3, "rho": 0.2})
+
+    def step(lk, pi, lam):
+        g = np.exp((lk - cfg.loss_bound) / lam)
+        s = float(np.dot(pi, g))
+        w = g / s
+        z = math.log(s) + cfg.rho + float(np.dot(pi * w, cfg.loss_bound - lk)) / lam
+        return w, min(max(lam - cfg.lr_lambda * z, cfg.lambda0), cfg.lambda_max)
+
+    expected = reference(data, cfg, step, cfg.lambda_init)
+    np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 8.0), min_size=2, max_size=6), st.floats(0.2, 3.0), st.floats(0.5, 2.0))
+def test_solve_eta_is_the_kl_dual_optimum(losses, lam, scale):
+    """Without a cap the KL dual optimum is G eta = lambda log sum_k pi_k exp(l_k / lambda)."""
+    lk = np.array(losses)
+    pi = np.arange(1, len(lk) + 1, dtype=float)
+    pi /= pi.sum()
+    eta = solve_eta(lk, pi, make_psi("kl"), lam, scale, math.inf)
+    assert scale * eta == pytest.approx(lam * math.log(float(np.dot(pi, np.exp(lk / lam)))), abs=1e-9)
+
+
+def test_solve_eta_with_a_cap_gives_unit_mass_and_capped_weights():
+    lk, pi = np.array([0.1, 0.2, 5.0]), np.array([0.45, 0.45, 0.1])
+    eta = solve_eta(lk, pi, make_psi("chi2"), 1.0, 1.0, 2.0)
+    w = np.minimum(make_psi("chi2").weight(torch.as_tensor(lk - eta)).numpy(), 2.0)
+    assert float(np.dot(pi, w)) == pytest.approx(1.0, abs=1e-9)
+    assert w[2] == 2.0 and w[0] < 1.0  # the high-loss group sits at the cap
+
+
+class Rows:
+    """A model with fixed per-record losses and loss gradients."""
+
+    def __init__(self, losses, grads):
+        self.l, self.g = torch.as_tensor(losses, dtype=torch.float64), grads
+
+    def losses(self, flat, x, y, offset=None):
+        return self.l.clone()
+
+    def losses_and_grads(self, flat, x, y, offset=None):
+        return self.l.clone(), self.g.clone()
+
+
+def test_group_quantities_rows():
+    grads = torch.tensor([[3.0, 4.0], [0.3, 0.4], [6.0, 8.0]], dtype=torch.float64)
+    model, y = Rows([1.0, 5.0, 2.0], grads), torch.tensor([0, 1, 1])
+    problem = Problem(psi=make_psi("kl"), lam=1.0, eta_scale=1.0, loss_bound=4.0)
+    flat = torch.zeros(2, dtype=torch.float64)
+    loss_rows = QUANTITIES["group-loss"](model, flat, 0.0, None, y, problem, (0.0, 0.0))
+    np.testing.assert_allclose(loss_rows.numpy(), [[1.0, 0.0], [0.0, 4.0], [0.0, 2.0]])
+    extra = (1.0, 2, 2.0, 3.0, 0.5, 0.25)  # clip 1, K 2, weights (2, 3) at point 0 and (0.5, 0.25) at point 1
+    rows0 = QUANTITIES["group-weighted-grad"](model, flat, 0.0, None, y, problem, extra)
+    rows1 = QUANTITIES["group-weighted-grad"](model, flat, 1.0, None, y, problem, extra)
+    clipped = clip_rows(grads, 1.0)
+    np.testing.assert_allclose(rows0.numpy(), (clipped * torch.tensor([[2.0], [3.0], [3.0]])).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(rows1.numpy(), (clipped * torch.tensor([[0.5], [0.25], [0.25]])).numpy(), rtol=1e-12)
+    product = QUANTITIES["group-weighted-grad"](model, flat, 0.0, None, y, problem, (math.inf, 2, 2.0, 3.0))
+    np.testing.assert_allclose(product.numpy(), (grads * torch.tensor([[2.0], [3.0], [3.0]])).numpy())
+
+
+def test_group_level_is_charged_and_clips_at_its_stated_sensitivities(tmp_path):
+    """A private run: the plan holds the class histogram, the group-loss and the x releases; every x-refresh
+    clips at C_x max_k w_k (weight-after-clip) <= C_x W_cap, every group-refresh at B, every difference below
+    clip-diff-max; epsilon spent <= target."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", epsilon=4.0, iterations=6, q=3,
+                 **{"dro-clip": "weight-after-clip", "weight-cap": 2.0, "clip-x": 0.5, "beta": 0.3})
+    result = train(cfg, LocalTransport(cfg, data), data)
+    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    by = {}
+    for e in events:
+        by.setdefault(e["mechanism"], []).append(float(e["clip"]))
+    assert set(by) == {"class-histogram", "group-refresh", "group-diff", "x-refresh", "x-diff"}
+    assert len(by["group-refresh"]) == len(by["x-refresh"]) == 2 and len(by["x-diff"]) == 4
+    assert all(0.5 <= c <= 0.5 * 2.0 + 1e-12 for c in by["x-refresh"])
+    assert by["group-refresh"] == [3.0, 3.0]
+    assert all(c <= cfg.clip_diff_max + 1e-12 for c in by["x-diff"])
+    assert result.summary["epsilon_spent"] <= 4.0 + 1e-9
+
+
+@pytest.mark.parametrize("algorithm,cls", [("dp-double-spider", GroupDoubleSpider),
+                                           ("recursive-spider", GroupRecursiveSpider)])
+def test_dro_level_selects_the_group_variant_under_the_algorithm_name(algorithm, cls):
+    cfg = Config.from_mapping({"algorithm": algorithm, "dro-level": "group"})
+    algo = make_algorithm(cfg, 1000, 5, K)
+    assert type(algo) is cls and algo.name == algorithm
+    assert cfg.uses_priors  # the setup releases (and charges) the class histogram
+    with pytest.raises(ValueError, match="priors"):
+        algo.start_state(np.zeros(5), None, None)

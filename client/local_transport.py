@@ -26,9 +26,10 @@ class LocalTransport:
     timed-out client's thread is abandoned (it ends with the process) and its late result is ignored.
     """
 
-    def __init__(self, cfg, train: ArrayDataset) -> None:
+    def __init__(self, cfg, train: ArrayDataset, module=None) -> None:
+        """``module``: a model object for every worker instead of config key ``model`` (``ShardWorker``)."""
         parts = make_partition(cfg, train.y.numpy())
-        self.workers = [ShardWorker(cfg, train.subset(idx), pid) for pid, idx in enumerate(parts)]
+        self.workers = [ShardWorker(cfg, train.subset(idx), pid, module) for pid, idx in enumerate(parts)]
         self.timeout = float(cfg.round_timeout)
 
     @property

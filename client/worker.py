@@ -6,16 +6,18 @@ Nothing here knows about Flower: the in-process transport and the ClientApp call
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import UNDISCLOSED, Query, Reply
-from ..common.models import make_model, resolve_model
+from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
@@ -33,9 +35,11 @@ class ShardWorker:
         cfg: the run's Config.
         shard: the client's records.
         partition: the client's partition id (enters the sampling seed in reproducible mode).
+        module: a model object to compute with instead of the one config key ``model`` names (single-node runs of
+            the Python API's ``model=``; a private copy is made, so workers never share a module).
     """
 
-    def __init__(self, cfg, shard: ArrayDataset, partition: int) -> None:
+    def __init__(self, cfg, shard: ArrayDataset, partition: int, module: nn.Module | None = None) -> None:
         self.cfg = cfg
         self.partition = partition
         check_device(cfg.device)
@@ -43,9 +47,12 @@ class ShardWorker:
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)
         self.y = shard.y.to(self.device)
-        name = resolve_model(cfg.model, cfg.dataset)
-        self.model = FlatModel(make_model(name, shard.num_classes, cfg.seed, self.dtype,
-                                                tuple(shard.x.shape[1:])).to(self.device))
+        if module is not None:
+            base = validate_model(copy.deepcopy(module).to(self.dtype))
+        else:
+            base = make_model(resolve_model(cfg.model, cfg.dataset), shard.num_classes, cfg.seed, self.dtype,
+                              tuple(shard.x.shape[1:]))
+        self.model = FlatModel(base.to(self.device))
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
         self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None

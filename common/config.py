@@ -13,6 +13,7 @@ import difflib
 import json
 import keyword
 import math
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -627,6 +628,22 @@ def parse_fault(text: str) -> tuple[int, int, str]:
         raise ConfigError(f"config key 'inject-fault': got {text!r}; allowed: '' or '<partition>:<iteration>:<kind>' "
                           f"with kind in {', '.join(FAULT_KINDS)}") from None
     return pid, it, kind
+
+
+def load_toml_keys(path: str | os.PathLike) -> dict[str, Any]:
+    """The configuration keys of a TOML file: a plain table of keys, or a pyproject-style
+    ``[tool.flwr.app.config]`` table. Raises ConfigError for a missing file or invalid TOML (not yet validated:
+    pass the result to ``Config.from_mapping``)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    return data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
 
 
 def parse_set_args(items: list[str]) -> dict[str, Any]:

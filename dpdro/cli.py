@@ -6,6 +6,8 @@
                                                               without it, before any work)
     dpdro simulate [--config FILE.toml] [--set key=value ...] the same run on Flower's simulation engine
     dpdro keys                                                every configuration key with default and help
+    dpdro predict --run RUN_DIR [--data test|PATH] [--out F]   predictions of the run's model (model.pt) as CSV
+    dpdro evaluate --run RUN_DIR [--data test|PATH]           accuracy, worst-class accuracy, confusion matrix PNG
     dpdro tune --dataset D [--epsilon E] [--trials N]         Optuna search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
     dpdro hazards [--seeds ...]                               one-factor changes of the tuned DP-DRO configs
@@ -25,23 +27,14 @@ import logging
 import math
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from dpdro.common.config import FIELDS, Config, ConfigError, check_device, parse_set_args
+from dpdro.common.config import FIELDS, Config, ConfigError, check_device, load_toml_keys, parse_set_args
 
 
 def _load_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: no such file {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    # Accept a plain table of keys or a pyproject-style [tool.flwr.app.config] table.
-    return data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
+    return load_toml_keys(path)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -153,23 +146,16 @@ def _stopped_message(out_dir: str, iteration: int | None = None, iterations: int
 def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:
         cfg = config_from_args(args)  # a configuration error answers before torch is imported
+    from dpdro.launch.local import prepare_local
     from dpdro.server.engine import TrainingStopped, load_run_config, train
-    from dpdro.server.rundir import check_out_dir
 
     if args.resume:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
     if args.overwrite:
         cfg = cfg.with_updates({"overwrite": True})
-    check_out_dir(cfg.out_dir, resume=bool(args.resume), overwrite=cfg.overwrite)  # before loading any data
-    check_device(cfg.device)  # before loading data
-    from dpdro.client.local_transport import LocalTransport
-    from dpdro.common.data import load_from_config
-
     with _CtrlC() as ctrl_c:
         try:
-            train_set = load_from_config(cfg, train=True)
-            test_set = load_from_config(cfg, train=False)
-            transport = LocalTransport(cfg, train_set)
+            transport, test_set = prepare_local(cfg, resume=bool(args.resume))  # out-dir, device, then the data
             close, progress = _progress_display(cfg.iterations, lambda: ctrl_c.requested)
             try:
                 result = train(cfg, transport, test_set, resume=bool(args.resume), progress=progress)
@@ -182,6 +168,34 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(_stopped_message(cfg.out_dir), file=sys.stderr)
             return 130
     _print_summary(result.summary, cfg.out_dir, resumed=bool(args.resume))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from dpdro.server.prediction import data_label, predict, write_predictions_csv
+
+    p = predict(args.run, args.data, parse_set_args(args.set or []))
+    out = Path(args.out) if args.out else Path(args.run) / f"predictions_{data_label(args.data)}.csv"
+    write_predictions_csv(p, out)
+    print(f"{len(p.predicted)} predictions ({args.data}, accuracy {float((p.predicted == p.labels).mean()):.4f} "
+          f"against its labels) written to {out}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from dpdro.server.prediction import data_label, metrics, predict, write_confusion_png
+
+    p = predict(args.run, args.data, parse_set_args(args.set or []))
+    m = metrics(p)
+    png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+    write_confusion_png(p, m, png, args.data)
+    classes = p.spec.classes
+    print(f"data {args.data}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
+          f"{m['worst_class_accuracy']:.4f} (class {classes[m['worst_class']]})"
+          + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else ""))
+    print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
+                                                                           strict=True)))
+    print(f"confusion matrix: {png}")
     return 0
 
 
@@ -465,6 +479,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML file of configuration keys")
     s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
     sub.add_parser("keys", help="list configuration keys")
+    for name, helptext in (("predict", "predictions of a finished run's model (model.pt) as CSV"),
+                           ("evaluate", "accuracy, worst-class (worst-group) accuracy and a confusion-matrix PNG of "
+                                        "a finished run's model")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
+        s.add_argument("--data", default="test", help="'test' (the split the run evaluated on), 'train', "
+                       "'validation', or a data-root folder/file in the run's data set layout (its test split)")
+        s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
+        s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
+                                     "RUN_DIR/plots/confusion_<data>.png for evaluate)")
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
@@ -600,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "plan": cmd_plan, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
                 "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
+    handlers["predict"] = cmd_predict
+    handlers["evaluate"] = cmd_evaluate
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy

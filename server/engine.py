@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..common.config import AUTO, Config, ConfigError, keys_with_role
 from ..common.data import ArrayDataset
-from ..common.models import make_model, resolve_model
+from ..common.data_types import declared_classes
+from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
 from ..common.transport import Transport
 from . import setup as setup_releases
@@ -31,7 +33,9 @@ from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger, auto_delta, calibrate, check_delta
 from .memory import heap_mb, rss_mb
+from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
 from .releaser import Releaser
+from .run_report import write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 from .summary import run_summary, software_versions
 
@@ -119,8 +123,14 @@ def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, f
 
 
 def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool = False,
-          progress: Progress | None = None, transport_name: str = "local") -> RunResult:
-    """Run (or, with ``resume``, continue) training as configured; write the run directory.
+          progress: Progress | None = None, transport_name: str = "local", module: nn.Module | None = None
+          ) -> RunResult:
+    """Run (or, with ``resume``, continue) training as configured; write the run directory, and when the run
+    finishes its model files, plots and model card (``_write_model_outputs``).
+
+    ``module``: an untrained ``nn.Module`` to train instead of the one config key ``model`` names (the Python
+    API's ``model=``); validated like every model (ModelError for layers that mix records), trained from its
+    own initial parameters.
 
     Raises ConfigError for a configuration the data cannot support or an out-dir that is not empty (without
     ``resume`` or config key overwrite; ``rundir.check_out_dir``), ResumeError for an unusable checkpoint,
@@ -138,8 +148,13 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-    model = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), test.num_classes, cfg.seed, dtype,
-                                  tuple(test.x.shape[1:])))
+    factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
+    input_shape = tuple(test.x.shape[1:])
+    if module is not None:  # the checks make_model runs on a registered model or an import path
+        module = validate_model(module.to(dtype))
+        check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
+    model = FlatModel(module if module is not None else
+                      make_model(factory, test.num_classes, cfg.seed, dtype, input_shape))
     algo = make_algorithm(cfg, n, model.dim, test.num_classes)
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
@@ -234,7 +249,29 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                           transport_name=transport_name)
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
+    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows)
     return RunResult(params=x, summary=summary, metrics=rows)
+
+
+def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str | None, x: np.ndarray,
+                         test: ArrayDataset, setup, summary: dict, rows: list[dict]) -> None:
+    """model.pt and model.json (server/model_files.py), plots/ and MODEL_CARD.md (server/run_report.py) of a
+    finished run: post-processing of the released iterate ``x`` (d,) and of the reported metrics."""
+    params = model.unflatten(torch.as_tensor(x).to(model.dtype))
+    shift = _prediction_shift(cfg, setup)
+    declared = declared_classes(cfg.classes)  # user data: names in label order (config key classes)
+    classes = declared if len(declared) == test.num_classes else [str(k) for k in range(test.num_classes)]
+    meta = {"factory": factory, "module_class": describe_module_class(model.module),
+            "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
+            "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
+            "input_scaling": input_scaling(test.name),
+            "priors": list(setup.priors) if setup.priors is not None else None, "posthoc_tau": cfg.posthoc_tau,
+            "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
+            "eval_split": cfg.eval_split, "algorithm": cfg.algorithm, "private": cfg.private,
+            "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"]}
+    write_model_files(rd.path, state_dict_at(model.module, params), meta)
+    plots = write_run_plots(rd.path, rows, summary, classes)
+    write_model_card(rd.path, summary, meta, plots)
 
 
 def _prediction_shift(cfg: Config, setup) -> np.ndarray | None:

@@ -71,7 +71,8 @@ def read_json(path: Path) -> Any:
 
 # What ``train`` writes into a run directory (``RunDir.clear`` removes exactly these, nothing else).
 RUN_FILES = ("config.json", "metrics.csv", "summary.json", "events.jsonl", "final_params.npy",
-             "checkpoint/state.npz")
+             "checkpoint/state.npz", "model.pt", "model.json", "MODEL_CARD.md", "plots/training_curves.png",
+             "plots/per_class_accuracy.png")
 
 
 def check_out_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
@@ -109,7 +110,7 @@ def check_out_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> 
     if p.is_dir() and not overwrite:
         entries = sorted(e.name for e in p.iterdir())
         if entries:
-            shown = ", ".join(entries[:8]) + (", ..." if len(entries) > 8 else "")
+            shown = ", ".join(entries[:12]) + (", ..." if len(entries) > 12 else "")  # a whole run: 10 entries
             raise ConfigError(f"out-dir {p} is not empty ({shown}): pass --resume to continue the run there, "
                               "--overwrite to replace it (config key resume or overwrite = true), or choose a "
                               "new out-dir")

@@ -1,0 +1,153 @@
+"""The Python API beside the CLI: ``dpdro.fit`` trains like ``dpdro train`` (same keys, same validation, same run
+directory) and hands back the trained ``nn.Module``, the privacy report and the run directory.
+
+    import dpdro
+    result = dpdro.fit({"dataset": "mnist-st", "epsilon": 4.0, "iterations": 50, "out-dir": "runs/api"})
+    result.model        # nn.Module with the trained weights, in eval mode
+    result.privacy      # epsilon spent, delta, trust model, what is not accounted
+    result.run_dir      # config.json, metrics.csv, summary.json, model.pt, model.json, MODEL_CARD.md, plots/
+
+torch is imported only when ``fit`` runs (``import dpdro`` stays cheap for the CLI).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dpdro.common.config import Config, ConfigError, load_toml_keys
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from dpdro.common.data import ArrayDataset
+
+# What ``FitResult.privacy`` holds: the summary.json entries a user needs to state the guarantee.
+PRIVACY_KEYS = ("private", "epsilon_target", "epsilon_spent", "delta", "accountant", "noise_mode", "trust_model",
+                "epsilon_against_server", "noise_multipliers", "not_accounted")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` returns: ``model`` (the trained nn.Module in eval mode), ``privacy`` (PRIVACY_KEYS of the
+    summary), ``run_dir`` (the run directory), ``summary`` (all of summary.json) and ``metrics`` (the evaluation
+    rows of metrics.csv)."""
+
+    model: nn.Module
+    privacy: dict
+    run_dir: Path
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)
+
+
+def config_of(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+    """A validated Config from a Config, a mapping of configuration keys (kebab-case, as on the command line),
+    or the path of a TOML file of keys (as ``dpdro train --config``). Raises ConfigError naming the key."""
+    if config is None:
+        return Config.from_mapping({})
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return Config.from_mapping(load_toml_keys(config))
+    if isinstance(config, Mapping):
+        return Config.from_mapping(dict(config))
+    raise ConfigError(f"fit: config must be a mapping of keys, a TOML file path or a Config; got "
+                      f"{type(config).__name__}")
+
+
+def records(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, groups: torch.Tensor | None = None,
+            num_groups: int = 0, name: str = "python") -> ArrayDataset:
+    """Records for ``fit(data=...)``: inputs ``x`` (N, *input shape) float, labels ``y`` (N,) integers in
+    [0, num_classes), optional ``groups`` (N,) in [0, num_groups) for worst-group accuracy. ``num_classes`` is
+    declared, never read off the labels (a data-dependent constant would be an unaccounted release).
+    Raises ValueError naming the argument for a wrong shape, dtype or range."""
+    import torch
+
+    from dpdro.common.data import ArrayDataset
+
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if not x.is_floating_point():
+        raise ValueError(f"records: x must be a float tensor (scale the inputs yourself); got dtype {x.dtype}")
+    if y.dim() != 1 or len(y) != len(x) or y.is_floating_point() or y.dtype == torch.bool:
+        raise ValueError(f"records: y must be integer labels of shape ({len(x)},); got {tuple(y.shape)} {y.dtype}")
+    if int(num_classes) < 2:
+        raise ValueError(f"records: num_classes must be at least 2; got {num_classes}")
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise ValueError(f"records: labels must lie in [0, {num_classes}); got values in [{int(y.min())}, "
+                         f"{int(y.max())}]")
+    if groups is not None:
+        groups = torch.as_tensor(groups).long()
+        if groups.shape != y.shape or (len(groups) and (int(groups.min()) < 0 or int(groups.max()) >= num_groups)):
+            raise ValueError(f"records: groups must be ({len(y)},) integers in [0, num_groups={num_groups})")
+    return ArrayDataset(x.float(), y.long(), int(num_classes), name, groups, num_groups if groups is not None else 0)
+
+
+def _seeded_build(factory: Callable[[int], nn.Module], num_classes: int, seed: int) -> nn.Module:
+    """``factory(num_classes)`` with torch's global generator seeded by ``seed`` (as ``common.models.make_model``
+    builds registered models), the caller's generator state restored afterwards."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory(num_classes)
+
+
+def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
+        data: tuple[ArrayDataset, ArrayDataset] | None = None,
+        model: str | nn.Module | Callable[[int], nn.Module] | None = None, progress=None) -> FitResult:
+    """Train as ``dpdro train`` would and return the trained model, the privacy report and the run directory.
+
+    config: a mapping of configuration keys (``dpdro keys`` lists them; e.g. {"epsilon": 2.0, "out-dir": ...}),
+        a TOML file path, or a Config. Validated before any work (ConfigError names the key, value and what is
+        allowed); the out-dir rules are those of the CLI (key overwrite = true to replace a run, resume = true
+        to continue one).
+    data: (train, evaluation) record sets (``ArrayDataset``, e.g. from ``records(x, y, num_classes)``) to train
+        on instead of config key ``dataset``; then a model must be named (``model=`` or key ``model``), since
+        'auto' picks a model by data set.
+    model: a registered model name (the same as key ``model``), an ``nn.Module`` to train (validated; its own
+        initial parameters), or a callable ``factory(num_classes) -> nn.Module`` (built with torch seeded by key
+        ``seed``). model.json names the factory for a name; for an object it records the class, and
+        ``load_model(run_dir, module=...)`` needs an untrained module of that architecture.
+    progress: an ``engine.Progress`` of callbacks (on_start, on_step, on_eval), or None.
+
+    Returns a FitResult. Raises ConfigError, DataError, ModelError (a model that mixes records, e.g. BatchNorm),
+    ValueError (bad ``data``/``model`` arguments) and what training raises (PrivacyBudgetExceeded, ResumeError).
+    """
+    from torch import nn
+
+    from dpdro.common.data import DATASETS, ArrayDataset
+    from dpdro.launch.local import train_local
+    from dpdro.server.model_files import load_model
+
+    cfg = config_of(config)
+    if isinstance(model, str):
+        cfg = cfg.with_updates({"model": model})
+    if data is not None:
+        if not (isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, ArrayDataset) for d in data)):
+            raise ValueError("fit: data must be a (train, evaluation) pair of ArrayDataset, e.g. "
+                             "(dpdro.records(x, y, K), dpdro.records(x_test, y_test, K))")
+        if data[0].num_classes != data[1].num_classes:
+            raise ValueError(f"fit: data's train and evaluation sets declare {data[0].num_classes} and "
+                             f"{data[1].num_classes} classes")
+        if model is None and cfg.model == "auto":
+            raise ValueError("fit: with data= name a model (model= or config key model): 'auto' picks the model "
+                             f"of config key dataset ({cfg.dataset!r}), not of your data")
+    num_classes = data[1].num_classes if data is not None else DATASETS.get_entry(cfg.dataset).num_classes
+    module = None
+    if isinstance(model, nn.Module):
+        module = model
+    elif model is not None and not isinstance(model, str):
+        if not callable(model):
+            raise ValueError(f"fit: model must be a model name, an nn.Module or a factory(num_classes); got "
+                             f"{type(model).__name__}")
+        module = _seeded_build(model, num_classes, cfg.seed)
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"fit: model factory {model!r} returned {type(module).__name__}, not an nn.Module")
+    result = train_local(cfg, resume=cfg.resume, progress=progress, data=data, module=module)
+    trained, _ = load_model(cfg.out_dir, module=module)
+    summary = result.summary
+    return FitResult(trained, {k: summary.get(k) for k in PRIVACY_KEYS}, Path(cfg.out_dir), summary, result.metrics)

@@ -1,0 +1,195 @@
+"""A model you can use (issue 24 items 1 and 5): every run writes model.pt + model.json (loadable into a fresh
+model), MODEL_CARD.md and plots; ``dpdro predict`` on the test split repeats the run's reported accuracy
+exactly; ``dpdro evaluate`` prints accuracy and worst-class accuracy and writes a confusion matrix; the Python
+API ``dpdro.fit`` gives the same parameters as ``dpdro train`` for the same keys and seed.
+
+The data are a small three-class set of overlapping 4x4 "images" registered here (no files), so that
+accuracies are neither 0 nor 1 and a wrong prediction path shows."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dpdro
+from dpdro.cli import main
+from dpdro.common.data import DATASETS, DatasetSpec, register_dataset
+from dpdro.common.models import MODELS, ModelError, register_model
+from dpdro.server.model_files import load_model, read_model_spec
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load_overlap(split, data_root, cache_dir, download, split_seed):
+    """(uint8 (N, 4, 4), labels (N,), None): class k lights row k, plus heavy noise; class 0 rarest."""
+    n = 600 if split == "train" else 300
+    rng = np.random.default_rng({"train": 11, "test": 12}[split])
+    labels = rng.choice(3, size=n, p=[0.2, 0.4, 0.4])
+    images = rng.integers(0, 150, size=(n, 4, 4))
+    images[np.arange(n), labels, :] += 70
+    return torch.from_numpy(images.astype(np.uint8)), torch.from_numpy(labels.astype(np.int64)), None
+
+
+class TinyMLP(nn.Module):
+    """(B, 1, 4, 4) -> (B, K) logits through one tanh hidden layer of 8."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.fixture
+def overlap():
+    """Registers data set 'overlap-3' and model 'tiny-mlp' for one test, removes them afterwards."""
+    register_dataset("overlap-3", DatasetSpec(_load_overlap, 3, "tiny-mlp"))
+    register_model("tiny-mlp")(TinyMLP)
+    yield
+    DATASETS.pop("overlap-3", None)
+    MODELS.pop("tiny-mlp", None)
+
+
+KEYS = {"dataset": "overlap-3", "algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 8, "refresh-batch": 120,
+        "lr-x": 2.0, "clip-x": 1.0, "num-clients": 2, "eval-every": 4, "checkpoint-every": 0, "reproducible": True,
+        "threads": 1, "seed": 5, "dtype": "float32", "posthoc-tau": 1.0}
+
+
+def _set_args(keys: dict) -> list[str]:
+    return ["--set"] + [f"{k}={v}" for k, v in keys.items()]
+
+
+def _cli_train(keys: dict) -> dict:
+    assert main(["train"] + _set_args(keys)) == 0
+    return json.load(open(f"{keys['out-dir']}/summary.json"))
+
+
+def test_api_and_cli_give_identical_parameters(overlap, tmp_path):
+    cli_dir, api_dir = tmp_path / "cli", tmp_path / "api"
+    summary = _cli_train({**KEYS, "out-dir": cli_dir})
+    result = dpdro.fit({**KEYS, "out-dir": str(api_dir)})
+    cli_params, api_params = np.load(cli_dir / "final_params.npy"), np.load(api_dir / "final_params.npy")
+    assert cli_params.shape == (16 * 8 + 8 + 8 * 3 + 3,)
+    assert np.array_equal(cli_params, api_params)
+    assert result.summary["test_accuracy"] == summary["test_accuracy"]
+    assert result.privacy["epsilon_spent"] == pytest.approx(summary["epsilon_spent"]) and 3.9 < summary[
+        "epsilon_spent"] <= 4.0
+    assert result.privacy["delta"] == pytest.approx(1 / 6000)  # auto: 1/(10 n), n = 600
+    assert result.run_dir == api_dir
+    # the returned module holds the trained weights, in the order of final_params.npy
+    flat = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]).double().numpy()
+    assert np.array_equal(flat, api_params.astype(np.float32).astype(np.float64))
+    assert json.load(open(cli_dir / "config.json"))["n"] == json.load(open(api_dir / "config.json"))["n"] == 600
+
+
+def test_predict_on_the_test_split_reproduces_the_reported_accuracy_exactly(overlap, tmp_path, capsys):
+    run = tmp_path / "run"
+    summary = _cli_train({**KEYS, "out-dir": run})
+    spec = read_model_spec(run)
+    assert spec.priors is not None and spec.posthoc_tau == 1.0  # the prediction shift is in play
+    assert 0.3 < summary["test_accuracy"] < 1.0
+    capsys.readouterr()
+    assert main(["predict", "--run", str(run), "--data", "test"]) == 0
+    rows = list(csv.DictReader(open(run / "predictions_test.csv")))
+    assert len(rows) == 300
+    assert list(rows[0]) == ["index", "label", "predicted", "predicted_class", "score_0", "score_1", "score_2"]
+    accuracy = float(np.mean([r["label"] == r["predicted"] for r in rows]))
+    assert accuracy == summary["test_accuracy"]
+    per_class = [float(np.mean([r["label"] == r["predicted"] for r in rows if r["label"] == str(k)]))
+                 for k in range(3)]
+    assert per_class == summary["per_class_accuracy"]
+    capsys.readouterr()
+    assert main(["evaluate", "--run", str(run), "--data", "test"]) == 0
+    out = capsys.readouterr().out
+    assert (f"300 records, accuracy {summary['test_accuracy']:.4f}, worst-class accuracy "
+            f"{summary['worst_class_accuracy']:.4f}") in out
+    assert (run / "plots" / "confusion_test.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_model_pt_loads_into_a_fresh_model_built_from_model_json(overlap, tmp_path):
+    run = tmp_path / "run"
+    _cli_train({**KEYS, "out-dir": run, "dtype": "float64"})
+    meta = json.load(open(run / "model.json"))
+    assert (meta["factory"], meta["num_classes"], meta["classes"], meta["input_shape"], meta["dtype"]) == (
+        "tiny-mlp", 3, ["0", "1", "2"], [1, 4, 4], "float64")
+    assert len(meta["priors"]) == 3 and abs(sum(meta["priors"]) - 1) < 1e-12
+    assert meta["prediction_shift"] == pytest.approx([-np.log(p) for p in meta["priors"]])
+    model, _ = load_model(run)
+    assert isinstance(model, TinyMLP) and not model.training
+    state = torch.load(run / "model.pt", weights_only=True)
+    assert set(state) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    assert np.array_equal(flat, np.load(run / "final_params.npy"))
+    fresh = TinyMLP(3).double()  # an untrained module of the same architecture, loaded by the user
+    fresh.load_state_dict(state)
+    x = torch.randn(5, 1, 4, 4, dtype=torch.float64)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_every_run_writes_a_model_card_and_plots(overlap, tmp_path):
+    run = tmp_path / "run"
+    summary = _cli_train({**KEYS, "out-dir": run})
+    card = (run / "MODEL_CARD.md").read_text()
+    acc, worst = summary["test_accuracy"], summary["worst_class_accuracy"]
+    assert f"Accuracy {acc:.4f}, worst-class accuracy {worst:.4f}" in card
+    assert f"({summary['epsilon_spent']:.4g}, {summary['delta']:.3g}) spent of the target epsilon 4" in card
+    assert summary["trust_model"] in card and all(item in card for item in summary["not_accounted"])
+    for k, a in enumerate(summary["per_class_accuracy"]):
+        assert f"| {k} | {a:.4f} |" in card
+    for name in ("training_curves.png", "per_class_accuracy.png"):
+        assert (run / "plots" / name).read_bytes()[:8] == PNG_MAGIC
+        assert f"(plots/{name})" in card
+
+
+def test_a_rerun_with_overwrite_replaces_the_model_files(overlap, tmp_path):
+    run = tmp_path / "run"
+    _cli_train({**KEYS, "out-dir": run})
+    first = (run / "model.pt").read_bytes()
+    _cli_train({**KEYS, "out-dir": run, "seed": 6, "overwrite": True})
+    assert (run / "model.pt").read_bytes() != first
+    flat = torch.cat([p.detach().reshape(-1) for p in load_model(run)[0].parameters()]).double().numpy()
+    assert np.array_equal(flat, np.load(run / "final_params.npy").astype(np.float32))
+
+
+def test_fit_trains_a_module_object_and_a_factory_on_python_records(tmp_path):
+    rng = np.random.default_rng(0)
+    y = torch.as_tensor(rng.integers(0, 2, 400))
+    x = torch.as_tensor(rng.normal(size=(400, 1, 4, 4)), dtype=torch.float32) + y.view(-1, 1, 1, 1) * 1.5
+    data = (dpdro.records(x[:300], y[:300], 2), dpdro.records(x[300:], y[300:], 2, name="held-out"))
+    keys = {k: v for k, v in KEYS.items() if k != "dataset"} | {"posthoc-tau": 0.0, "refresh-batch": 100,
+                                                                 "diff-batch": 100}
+    module = TinyMLP(2)
+    by_object = dpdro.fit({**keys, "out-dir": str(tmp_path / "obj")}, data=data, model=module)
+    assert by_object.model is module  # the user's module now holds the trained weights
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double().numpy()
+    assert np.array_equal(flat, np.load(tmp_path / "obj" / "final_params.npy").astype(np.float32))
+    assert by_object.summary["test_accuracy"] > 0.7
+    meta = json.load(open(tmp_path / "obj" / "model.json"))
+    assert meta["factory"] is None and meta["module_class"].endswith(":TinyMLP") and meta["data"] == "held-out"
+    with pytest.raises(ValueError, match="pass it as module="):
+        load_model(tmp_path / "obj")
+    by_factory = dpdro.fit({**keys, "out-dir": str(tmp_path / "fac")}, data=data, model=TinyMLP)
+    again = dpdro.fit({**keys, "out-dir": str(tmp_path / "fac2")}, data=data, model=TinyMLP)
+    assert np.array_equal(np.load(tmp_path / "fac" / "final_params.npy"),
+                          np.load(tmp_path / "fac2" / "final_params.npy"))
+    assert by_factory.summary["test_accuracy"] == again.summary["test_accuracy"]
+
+
+def test_fit_refuses_bad_arguments_before_training(tmp_path):
+    data = (dpdro.records(torch.zeros(10, 1, 4, 4), torch.zeros(10, dtype=torch.long), 2),) * 2
+    with pytest.raises(ValueError, match="with data= name a model"):
+        dpdro.fit({"out-dir": str(tmp_path / "a")}, data=data)
+    bn = nn.Sequential(nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(ModelError, match="BatchNorm1d.*GroupNorm"):
+        dpdro.fit({"out-dir": str(tmp_path / "b"), "refresh-batch": 5, "diff-batch": 5}, data=data, model=bn)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\); got values in \[0, 2\]"):
+        dpdro.records(torch.zeros(3, 2), torch.tensor([0, 1, 2]), 2)
+    with pytest.raises(dpdro.api.ConfigError, match="config key 'epsilon'"):
+        dpdro.fit({"epsilon": -1, "out-dir": str(tmp_path / "c")})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

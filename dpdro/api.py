@@ -86,14 +86,43 @@ def records(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, groups: torch
     return ArrayDataset(x.float(), y.long(), int(num_classes), name, groups, num_groups if groups is not None else 0)
 
 
-def _seeded_build(factory: Callable[[int], nn.Module], num_classes: int, seed: int) -> nn.Module:
-    """``factory(num_classes)`` with torch's global generator seeded by ``seed`` (as ``common.models.make_model``
-    builds registered models), the caller's generator state restored afterwards."""
-    import torch
+def import_path(obj) -> str | None:
+    """'package.module:QualName' when importing that gives back ``obj`` itself (then config key ``model`` can name
+    it, as on the command line), else None (a lambda, a local function, a class defined in ``__main__``)."""
+    import importlib
 
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        return None
+    try:
+        target = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        return None
+    return f"{module}:{qualname}" if target is obj else None
+
+
+def _seeded_build(factory: Callable[..., nn.Module], num_classes: int, input_shape: tuple[int, ...],
+                  seed: int) -> nn.Module:
+    """``factory(num_classes[, input_shape=...])`` with torch's global generator seeded by ``seed`` (as
+    ``common.models.make_model`` builds registered models), the caller's generator state restored afterwards.
+    Raises ValueError when it does not return an nn.Module."""
+    import inspect
+
+    import torch
+    from torch import nn
+
+    try:
+        takes_shape = "input_shape" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_shape = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return factory(num_classes)
+        module = factory(num_classes, **({"input_shape": input_shape} if takes_shape else {}))
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fit: model factory {factory!r} returned {type(module).__name__}, not an nn.Module")
+    return module
 
 
 def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
@@ -108,10 +137,12 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
     data: (train, evaluation) record sets (``ArrayDataset``, e.g. from ``records(x, y, num_classes)``) to train
         on instead of config key ``dataset``; then a model must be named (``model=`` or key ``model``), since
         'auto' picks a model by data set.
-    model: a registered model name (the same as key ``model``), an ``nn.Module`` to train (validated; its own
-        initial parameters), or a callable ``factory(num_classes) -> nn.Module`` (built with torch seeded by key
-        ``seed``). model.json names the factory for a name; for an object it records the class, and
-        ``load_model(run_dir, module=...)`` needs an untrained module of that architecture.
+    model: a registered model name or import path 'package.module:factory' (the same as key ``model``), an
+        ``nn.Module`` to train (validated; its own initial parameters), or a callable
+        ``factory(num_classes[, input_shape])`` (an importable one becomes key ``model``, exactly as on the
+        command line; any other is built here with torch seeded by key ``seed``). model.json names the factory
+        when there is one; for an object it records the class, and ``load_model(run_dir, module=...)`` needs an
+        untrained module of that architecture.
     progress: an ``engine.Progress`` of callbacks (on_start, on_step, on_eval), or None.
 
     Returns a FitResult. Raises ConfigError, DataError, ModelError (a model that mixes records, e.g. BatchNorm),
@@ -119,9 +150,10 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
     """
     from torch import nn
 
-    from dpdro.common.data import DATASETS, ArrayDataset
+    from dpdro.common.data import ArrayDataset, load_from_config
     from dpdro.launch.local import train_local
     from dpdro.server.model_files import load_model
+    from dpdro.server.rundir import check_out_dir
 
     cfg = config_of(config)
     if isinstance(model, str):
@@ -136,7 +168,6 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
         if model is None and cfg.model == "auto":
             raise ValueError("fit: with data= name a model (model= or config key model): 'auto' picks the model "
                              f"of config key dataset ({cfg.dataset!r}), not of your data")
-    num_classes = data[1].num_classes if data is not None else DATASETS.get_entry(cfg.dataset).num_classes
     module = None
     if isinstance(model, nn.Module):
         module = model
@@ -144,9 +175,14 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
         if not callable(model):
             raise ValueError(f"fit: model must be a model name, an nn.Module or a factory(num_classes); got "
                              f"{type(model).__name__}")
-        module = _seeded_build(model, num_classes, cfg.seed)
-        if not isinstance(module, nn.Module):
-            raise ValueError(f"fit: model factory {model!r} returned {type(module).__name__}, not an nn.Module")
+        path = import_path(model)
+        if path is not None:  # the same run as `dpdro train --set model=<path>`; model.json names the factory
+            cfg = cfg.with_updates({"model": path})
+        else:  # built here: the number of classes and the input shape come from the loaded data
+            check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before loading any data
+            if data is None:
+                data = (load_from_config(cfg, True), load_from_config(cfg, False))
+            module = _seeded_build(model, data[1].num_classes, tuple(data[1].x.shape[1:]), cfg.seed)
     result = train_local(cfg, resume=cfg.resume, progress=progress, data=data, module=module)
     trained, _ = load_model(cfg.out_dir, module=module)
     summary = result.summary

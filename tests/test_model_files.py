@@ -174,11 +174,16 @@ def test_fit_trains_a_module_object_and_a_factory_on_python_records(tmp_path):
     assert meta["factory"] is None and meta["module_class"].endswith(":TinyMLP") and meta["data"] == "held-out"
     with pytest.raises(ValueError, match="pass it as module="):
         load_model(tmp_path / "obj")
+    # an importable factory becomes config key model (as on the command line); a lambda is built in fit with
+    # torch seeded by key seed, as make_model builds: both start from, and end at, the same parameters
     by_factory = dpdro.fit({**keys, "out-dir": str(tmp_path / "fac")}, data=data, model=TinyMLP)
-    again = dpdro.fit({**keys, "out-dir": str(tmp_path / "fac2")}, data=data, model=TinyMLP)
+    by_lambda = dpdro.fit({**keys, "out-dir": str(tmp_path / "lam")}, data=data, model=lambda k: TinyMLP(k))
+    assert json.load(open(tmp_path / "fac" / "model.json"))["factory"] == "test_model_files:TinyMLP"
+    assert json.load(open(tmp_path / "lam" / "model.json"))["factory"] is None
     assert np.array_equal(np.load(tmp_path / "fac" / "final_params.npy"),
-                          np.load(tmp_path / "fac2" / "final_params.npy"))
-    assert by_factory.summary["test_accuracy"] == again.summary["test_accuracy"]
+                          np.load(tmp_path / "lam" / "final_params.npy"))
+    assert by_factory.summary["test_accuracy"] == by_lambda.summary["test_accuracy"]
+    assert isinstance(load_model(tmp_path / "fac")[0], TinyMLP)  # rebuilt from the import path in model.json
 
 
 def test_fit_refuses_bad_arguments_before_training(tmp_path):

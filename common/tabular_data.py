@@ -171,7 +171,8 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
                 v = float(row[c])
             except ValueError:
                 raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a number; feature columns "
-                                "must be numeric (encode categories as numbers first)") from None
+                                "must be numeric (encode categories as numbers first, or leave the column out: "
+                                "csv-features, csv-group)") from None
             if not math.isfinite(v):
                 raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a finite number")
             x[j, k] = v

@@ -210,7 +210,8 @@ def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torc
     'package.module:factory'), initialised from ``seed`` (public). Use ``resolve_model`` first for 'auto'.
 
     input_shape: the shape of one record ((C, H, W) or (F,)); passed to a factory with an ``input_shape``
-    parameter, and with it the model is probed by ``check_per_record`` before it is returned.
+    parameter, and with it the model is probed by ``check_per_record`` before it is returned (once per process
+    for a name, shape, number of classes and dtype).
     Raises ValueError for an unknown name or an import path that does not import, and ModelError for a model
     that mixes records, does not build, or whose per-record gradients torch.func cannot compute.
     """
@@ -229,9 +230,15 @@ def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torc
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r}: the factory returned a {type(model).__name__}; expected an nn.Module")
     model = validate_model(model.to(dtype))
-    if input_shape is not None:
+    probe = (name, tuple(input_shape or ()), num_classes, dtype)
+    if input_shape is not None and probe not in _PROBED:  # once per process: every client builds the same model
         check_per_record(model, tuple(input_shape), num_classes, name)
+        _PROBED.add(probe)
     return model
+
+
+# (model name, input shape, classes, dtype) that passed ``check_per_record`` in this process
+_PROBED: set[tuple] = set()
 
 
 def check_per_record(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, name: str = "") -> None:

@@ -221,7 +221,7 @@ def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torc
     torch.manual_seed(seed)
     try:
         model = factory(num_classes, **kwargs)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - user code may raise anything: report it with the call
         raise ModelError(f"model {name!r}: factory(num_classes={num_classes}"
                          f"{', input_shape=' + str(kwargs['input_shape']) if kwargs else ''}) failed "
                          f"({type(e).__name__}: {e})") from None
@@ -249,6 +249,8 @@ def check_per_record(model: nn.Module, input_shape: tuple[int, ...], num_classes
     from .per_sample import FlatModel  # late: per_sample is the math layer beside this one
 
     label = f"model {name!r}" if name else "the model"
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelError(f"{label} has no trainable parameters")
     flat_model = FlatModel(model)
     flat = flat_model.initial()
     gen = torch.Generator().manual_seed(0)

@@ -302,6 +302,9 @@ def test_import_paths_that_do_not_import_are_refused_by_config(user_code):
                      "bounds nothing. Replace it with nn.GroupNorm"),
     ("CentringNet", "a record's output changes with the other records of its batch"),
     ("NumpyNet", "torch.func cannot compute per-record gradients of model 'user_code:NumpyNet'"),
+    ("needs_weights", r"model 'user_code:needs_weights': factory\(num_classes=3, input_shape=\(2,\)\) failed "
+                      r"\(FileNotFoundError: weights.pt not found\)"),
+    ("no_parameters", "model 'user_code:no_parameters' has no trainable parameters"),
 ])
 def test_user_models_that_cannot_be_trained_per_record_are_refused_before_training(user_code, tmp_path, factory,
                                                                                    message):

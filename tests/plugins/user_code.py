@@ -55,6 +55,16 @@ class NumpyNet(nn.Module):
 NOT_A_FACTORY = 3
 
 
+def needs_weights(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """Refused: the factory itself fails (here: a missing weights file)."""
+    raise FileNotFoundError("weights.pt not found")
+
+
+def no_parameters(num_classes: int) -> nn.Module:
+    """Refused: nothing to train."""
+    return nn.Flatten()
+
+
 def blobs(split: str, data_root) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Three well-separated Gaussian blobs in 2-D (features float32 in about [-1, 1]; public constants), 300
     training and 150 test records, group = record index mod 2."""

@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ArrayDataset:
     """Records as tensors: x (N, C, H, W) float32 in [-1, 1], y (N,) int64 in [0, num_classes); optional
-    groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male)."""
+    groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male); class_names:
+    the names of classes 0 .. num_classes-1 when the data set gives them (user data), else () (model.json then
+    names the classes by index)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -68,6 +70,7 @@ class ArrayDataset:
     name: str
     groups: torch.Tensor | None = None
     num_groups: int = 0
+    class_names: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -78,7 +81,8 @@ class ArrayDataset:
 
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
-        return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups)
+        return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups,
+                            self.class_names)
 
 
 Loader = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | LoadedSplit"]
@@ -181,7 +185,7 @@ def _call_entry_point(fn: Callable, path: str, split: str, data_root: Path, opti
         where = "the declared classes (config key 'classes')" if classes else "the training split's labels"
         raise DataError(f"dataset {path!r}: the {split} split has label {int(y.max())}, beyond {where} (0 .. {k - 1}): "
                         "more classes than in training")
-    return LoadedSplit(x, y, g, k, int(g.max()) + 1 if g is not None and len(g) else 0)
+    return LoadedSplit(x, y, g, k, int(g.max()) + 1 if g is not None and len(g) else 0, tuple(classes))
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset", entry_point=_entry_point_spec)
@@ -518,8 +522,8 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
     try:
         extra = (dict(options or {}),) if spec.with_options else ()
-        images, labels, groups, num_classes, num_groups = LoadedSplit(*spec.load(files, root, cache, download,
-                                                                               split_seed, *extra))
+        images, labels, groups, num_classes, num_groups, class_names = LoadedSplit(
+            *spec.load(files, root, cache, download, split_seed, *extra))
     finally:
         _CACHE_FALLBACK.reset(token)
     num_classes, num_groups = num_classes or spec.num_classes, num_groups or spec.num_groups
@@ -533,7 +537,8 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     idx = idx[even_subset(len(idx), max_records)]
     t = torch.as_tensor(idx)
     return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
-                        None if groups is None else groups[t].clone(), num_groups if groups is not None else 0)
+                        None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
+                        tuple(class_names))
 
 
 def _torchvision_loader(class_name: str) -> Loader:

@@ -27,7 +27,8 @@ class LoadedSplit(NamedTuple):
     x: uint8 images (N, H, W) or (N, C, H, W), mapped by the fixed x / 255 * 2 - 1; or float32 records (N, ...)
     already scaled by public constants (used as they are). y: int64 (N,) in [0, num_classes). groups: int64 (N,)
     in [0, num_groups) or None. num_classes / num_groups: 0 means the ``DatasetSpec``'s; user data sets, whose
-    classes come from their files or the config key ``classes``, set them.
+    classes come from their files or the config key ``classes``, set them. class_names: the names of classes
+    0 .. K-1 when the files give them (folder names, label values; public, as the number of classes), else ().
     """
 
     x: torch.Tensor
@@ -35,6 +36,7 @@ class LoadedSplit(NamedTuple):
     groups: torch.Tensor | None = None
     num_classes: int = 0
     num_groups: int = 0
+    class_names: tuple[str, ...] = ()
 
 
 def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:

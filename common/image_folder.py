@@ -171,4 +171,4 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
     if norm is not None:
         mean, std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in norm)
         images = (images.to(torch.float32) / 255.0 - mean) / std
-    return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0)
+    return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0, tuple(classes))

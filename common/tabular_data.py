@@ -184,4 +184,4 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
         g = torch.from_numpy(_index([rows[i][gi].strip() for i in keep], groups_names, path, lines, "group",
                                     f"groups of the training file {train_path.name}"))
     return LoadedSplit(torch.from_numpy(scaled.astype(np.float32)), torch.from_numpy(y), g, len(classes),
-                       len(groups_names))
+                       len(groups_names), tuple(classes))

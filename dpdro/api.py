@@ -60,10 +60,11 @@ def config_of(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> 
 
 
 def records(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, groups: torch.Tensor | None = None,
-            num_groups: int = 0, name: str = "python") -> ArrayDataset:
+            num_groups: int = 0, name: str = "python", class_names: list[str] | None = None) -> ArrayDataset:
     """Records for ``fit(data=...)``: inputs ``x`` (N, *input shape) float, labels ``y`` (N,) integers in
     [0, num_classes), optional ``groups`` (N,) in [0, num_groups) for worst-group accuracy. ``num_classes`` is
-    declared, never read off the labels (a data-dependent constant would be an unaccounted release).
+    declared, never read off the labels (a data-dependent constant would be an unaccounted release);
+    ``class_names`` (K,) optionally names them (model.json, predictions, the model card).
     Raises ValueError naming the argument for a wrong shape, dtype or range."""
     import torch
 
@@ -83,7 +84,11 @@ def records(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, groups: torch
         groups = torch.as_tensor(groups).long()
         if groups.shape != y.shape or (len(groups) and (int(groups.min()) < 0 or int(groups.max()) >= num_groups)):
             raise ValueError(f"records: groups must be ({len(y)},) integers in [0, num_groups={num_groups})")
-    return ArrayDataset(x.float(), y.long(), int(num_classes), name, groups, num_groups if groups is not None else 0)
+    names = tuple(str(c) for c in class_names or ())
+    if names and len(names) != int(num_classes):
+        raise ValueError(f"records: class_names has {len(names)} names for num_classes={num_classes}")
+    return ArrayDataset(x.float(), y.long(), int(num_classes), name, groups, num_groups if groups is not None else 0,
+                        names)
 
 
 def import_path(obj) -> str | None:

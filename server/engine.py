@@ -259,8 +259,8 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
     finished run: post-processing of the released iterate ``x`` (d,) and of the reported metrics."""
     params = model.unflatten(torch.as_tensor(x).to(model.dtype))
     shift = _prediction_shift(cfg, setup)
-    declared = declared_classes(cfg.classes)  # user data: names in label order (config key classes)
-    classes = declared if len(declared) == test.num_classes else [str(k) for k in range(test.num_classes)]
+    named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
+    classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
     meta = {"factory": factory, "module_class": describe_module_class(model.module),
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
             "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import SMALL
 
 from dpdro.client.local_transport import LocalTransport
@@ -159,6 +160,13 @@ def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_sup
     assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
     assert summary["test_accuracy"] == local.summary["test_accuracy"]
     assert summary["releases"] == local.summary["releases"]
+    # the ServerApp writes the same usable model files as a single-node run (issue 24 item 5)
+    from dpdro.server.model_files import load_model
+
+    model, spec = load_model(tmp_path / "flower")
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    assert np.array_equal(flat, flower_params) and spec.factory == "cnn"
+    assert (tmp_path / "flower" / "MODEL_CARD.md").is_file() and (tmp_path / "flower" / "plots").is_dir()
 
 
 def test_plan_prints_the_calibrated_noise_a_run_then_uses(small_config, capsys):

@@ -198,3 +198,27 @@ def test_fit_refuses_bad_arguments_before_training(tmp_path):
     with pytest.raises(dpdro.api.ConfigError, match="config key 'epsilon'"):
         dpdro.fit({"epsilon": -1, "out-dir": str(tmp_path / "c")})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_csv_run_names_its_classes_and_evaluate_reports_the_worst_group(tmp_path, capsys):
+    from test_user_data import CSV_KEYS, HEADER, easy_rows, write_csv
+
+    write_csv(tmp_path / "data" / "train.csv", easy_rows(400, 1), HEADER)
+    write_csv(tmp_path / "data" / "test.csv", easy_rows(200, 2), HEADER)
+    run = tmp_path / "run"
+    keys = {**CSV_KEYS, "data-root": tmp_path / "data", "algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 20,
+            "refresh-batch": 100, "diff-batch": 100, "num-clients": 2, "eval-every": 20, "checkpoint-every": 0,
+            "reproducible": True, "threads": 1, "seed": 1, "out-dir": run}
+    summary = _cli_train(keys)
+    meta = json.load(open(run / "model.json"))
+    assert (meta["factory"], meta["classes"], meta["input_shape"]) == ("mlp", ["no", "yes"], [2])
+    assert isinstance(load_model(run)[0], nn.Module)
+    capsys.readouterr()
+    assert main(["predict", "--run", str(run)]) == 0
+    rows = list(csv.DictReader(open(run / "predictions_test.csv")))
+    assert {r["predicted_class"] for r in rows} <= {"no", "yes"} and list(rows[0])[-2:] == ["score_no", "score_yes"]
+    assert float(np.mean([r["label"] == r["predicted"] for r in rows])) == summary["test_accuracy"]
+    assert main(["evaluate", "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"worst-group accuracy {summary['worst_group_accuracy']:.4f}" in out
+    assert "| no | " in (run / "MODEL_CARD.md").read_text()

@@ -46,9 +46,9 @@ class TinyMLP(nn.Module):
         return self.net(x)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def overlap():
-    """Registers data set 'overlap-3' and model 'tiny-mlp' for one test, removes them afterwards."""
+    """Registers data set 'overlap-3' and model 'tiny-mlp' for this module's tests, removes them afterwards."""
     register_dataset("overlap-3", DatasetSpec(_load_overlap, 3, "tiny-mlp"))
     register_model("tiny-mlp")(TinyMLP)
     yield
@@ -70,6 +70,13 @@ def _cli_train(keys: dict) -> dict:
     return json.load(open(f"{keys['out-dir']}/summary.json"))
 
 
+@pytest.fixture(scope="module")
+def finished(overlap, tmp_path_factory):
+    """(run directory, summary) of one finished `dpdro train` run of KEYS, shared by the tests that only read it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    return run, _cli_train({**KEYS, "out-dir": run})
+
+
 def test_api_and_cli_give_identical_parameters(overlap, tmp_path):
     cli_dir, api_dir = tmp_path / "cli", tmp_path / "api"
     summary = _cli_train({**KEYS, "out-dir": cli_dir})
@@ -88,9 +95,8 @@ def test_api_and_cli_give_identical_parameters(overlap, tmp_path):
     assert json.load(open(cli_dir / "config.json"))["n"] == json.load(open(api_dir / "config.json"))["n"] == 600
 
 
-def test_predict_on_the_test_split_reproduces_the_reported_accuracy_exactly(overlap, tmp_path, capsys):
-    run = tmp_path / "run"
-    summary = _cli_train({**KEYS, "out-dir": run})
+def test_predict_on_the_test_split_reproduces_the_reported_accuracy_exactly(finished, capsys):
+    run, summary = finished
     spec = read_model_spec(run)
     assert spec.priors is not None and spec.posthoc_tau == 1.0  # the prediction shift is in play
     assert 0.3 < summary["test_accuracy"] < 1.0
@@ -112,12 +118,11 @@ def test_predict_on_the_test_split_reproduces_the_reported_accuracy_exactly(over
     assert (run / "plots" / "confusion_test.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_model_pt_loads_into_a_fresh_model_built_from_model_json(overlap, tmp_path):
-    run = tmp_path / "run"
-    _cli_train({**KEYS, "out-dir": run, "dtype": "float64"})
+def test_model_pt_loads_into_a_fresh_model_built_from_model_json(finished):
+    run, _ = finished
     meta = json.load(open(run / "model.json"))
     assert (meta["factory"], meta["num_classes"], meta["classes"], meta["input_shape"], meta["dtype"]) == (
-        "tiny-mlp", 3, ["0", "1", "2"], [1, 4, 4], "float64")
+        "tiny-mlp", 3, ["0", "1", "2"], [1, 4, 4], "float32")
     assert len(meta["priors"]) == 3 and abs(sum(meta["priors"]) - 1) < 1e-12
     assert meta["prediction_shift"] == pytest.approx([-np.log(p) for p in meta["priors"]])
     model, _ = load_model(run)
@@ -125,16 +130,15 @@ def test_model_pt_loads_into_a_fresh_model_built_from_model_json(overlap, tmp_pa
     state = torch.load(run / "model.pt", weights_only=True)
     assert set(state) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-    assert np.array_equal(flat, np.load(run / "final_params.npy"))
-    fresh = TinyMLP(3).double()  # an untrained module of the same architecture, loaded by the user
+    assert flat.dtype == np.float32 and np.array_equal(flat, np.load(run / "final_params.npy").astype(np.float32))
+    fresh = TinyMLP(3)  # an untrained module of the same architecture, loaded by the user
     fresh.load_state_dict(state)
-    x = torch.randn(5, 1, 4, 4, dtype=torch.float64)
+    x = torch.randn(5, 1, 4, 4)
     assert torch.equal(fresh(x), model(x))
 
 
-def test_every_run_writes_a_model_card_and_plots(overlap, tmp_path):
-    run = tmp_path / "run"
-    summary = _cli_train({**KEYS, "out-dir": run})
+def test_every_run_writes_a_model_card_and_plots(finished):
+    run, summary = finished
     card = (run / "MODEL_CARD.md").read_text()
     acc, worst = summary["test_accuracy"], summary["worst_class_accuracy"]
     assert f"Accuracy {acc:.4f}, worst-class accuracy {worst:.4f}" in card

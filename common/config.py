@@ -238,8 +238,9 @@ FIELDS: tuple[Field, ...] = (
     Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
-    Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'resnet20' (GroupNorm ResNet20, "
-          "3x32x32), 'cnn64' (GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
+    Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'cnn32' (small GroupNorm CNN, 3x32x32, "
+          "CIFAR10-ST's CPU default), 'resnet20' (GroupNorm ResNet20, 3x32x32, the paper model for a GPU), 'cnn64' "
+          "(GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
           "CNN, any CxHxW); 'auto' picks the data set's; 'package.module:factory' builds your nn.Module "
           "(factory(num_classes[, input_shape=...])).", choices=_model_names, role="algorithm", entry_point=True),
     # DRO problem

@@ -85,6 +85,30 @@ class GroupNormCNN(nn.Module):
         return self.head(self.features(x))
 
 
+@register_model("cnn32")
+class GroupNormCNN32(nn.Module):
+    """Small CNN for 3x32x32 inputs (CIFAR-10) with GroupNorm and tanh: CIFAR10-ST's default, sized for a CPU.
+
+    Three 3x3 convolutions with stride 2 (16, 32, 64 channels; 32 -> 16 -> 8 -> 4 pixels), then a linear layer.
+    Why so small: a per-record gradient step writes a (batch x parameters) matrix, so its time grows with the
+    parameter count; a 357k-parameter variant (32/64/128 channels, 128 hidden units) took 10x longer per step
+    on this CPU (README "Data sets"). The GroupNorm ResNet20 (``resnet20``) is the paper profile for a GPU.
+
+    Input: (B, 3, 32, 32) float; output: (B, num_classes) logits. 34,058 parameters (10 classes).
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.Tanh(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(8, 32), nn.Tanh(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.Tanh())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 class _BasicBlock(nn.Module):
     """Two 3x3 convolutions with GroupNorm and ReLU, plus the identity or a 1x1 convolution shortcut."""
 
@@ -191,7 +215,8 @@ class GroupNormConvNet(nn.Module):
 
 def resolve_model(name: str, dataset: str) -> str:
     """Config key ``model``: 'auto' picks the data set's default model (``DatasetSpec.default_model``: cnn for
-    28x28 grey, resnet20 for CIFAR-10, cnn64 for CelebA at 64x64); any other name is returned unchanged."""
+    28x28 grey, cnn32 for CIFAR10-ST, resnet20 for CIFAR-10, cnn64 for CelebA at 64x64); any other name is
+    returned unchanged."""
     from .data import DATASETS
 
     return DATASETS.get_entry(dataset).default_model if name == "auto" else name

@@ -46,7 +46,7 @@ from ..common.per_sample import FlatModel
 from ..common.psi import make_psi
 from ..common.quantities import QUANTITIES, Problem
 
-INPUT_SHAPES = {"cnn": (1, 28, 28), "resnet20": (3, 32, 32)}
+INPUT_SHAPES = {"cnn": (1, 28, 28), "cnn32": (3, 32, 32), "resnet20": (3, 32, 32)}
 TARGETS = {"a": None, "b": 2.2, "c": 1.0, "d": 1.2, "e": 0.01}
 
 

@@ -70,6 +70,7 @@ PROFILES = {
         (1.0, 2.0, 4.0, 8.0), (0, 1, 2),
         base={**_COMMON, "iterations": 2000, "q": 10, "refresh-batch": 1024, "diff-batch": 512, "s-batch": 1024,
               "eval-every": 200, "device": "cuda", "threads": 0},
+        per_dataset={"cifar10-st": {"model": "resnet20"}},  # the paper's model (the default, cnn32, is CPU-sized)
     ),
 }
 

@@ -75,7 +75,8 @@ BASE = {"num-clients": 4, "threads": 1, "reproducible": False, "checkpoint-every
 PER_DATASET = {
     "mnist-st": {"validation-fraction": 0.2},
     "fashion-mnist-st": {"validation-fraction": 0.2},
-    "cifar10-st": {"validation-fraction": 0.2},
+    # the CPU model cnn32 at 2048-record batches takes 2-4 s an iteration on one shared core (README "Data sets")
+    "cifar10-st": {"validation-fraction": 0.2, "iterations": 200},
     "celeba": {"iterations": 300, "batch-scale": 0.5},  # 8,000 training images: half the batch sizes
 }
 # Per method: the searched keys and the keys every trial shares, declared with the algorithm

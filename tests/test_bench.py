@@ -28,7 +28,8 @@ def _data(shape, b, seed=0):
     return x, y
 
 
-@pytest.mark.parametrize(("name", "shape"), [("resnet20", (3, 32, 32)), ("cnn64", (3, 64, 64))])
+@pytest.mark.parametrize(("name", "shape"), [("resnet20", (3, 32, 32)), ("cnn32", (3, 32, 32)),
+                                             ("cnn64", (3, 64, 64))])
 def test_torch_func_per_record_gradients_equal_single_record_autograd(name, shape):
     module = make_model(name, 10, 2, torch.float64)
     fm = FlatModel(module)
@@ -91,6 +92,19 @@ def test_resnet20_is_groupnorm_and_deterministic():
     fresh = GroupNormCNN(10)
     for p, q in zip(fresh.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)  # 'cnn' unchanged: same initialisation as the class under the seed
+
+
+def test_cifar10_st_defaults_to_the_cpu_cnn_and_the_paper_profile_to_resnet20(tmp_path):
+    from dpdro.common.models import resolve_model
+    from dpdro.simulations.sweep import PROFILES, plan_runs
+
+    cnn32 = make_model(resolve_model("auto", "cifar10-st"), 10, 0)
+    assert type(cnn32).__name__ == "GroupNormCNN32"
+    assert sum(p.numel() for p in cnn32.parameters()) == 34_058
+    assert sum(isinstance(m, nn.GroupNorm) for m in cnn32.modules()) == 3
+    assert cnn32(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    paper = plan_runs(PROFILES["paper"], tmp_path, ["cifar10-st"], algorithms=["dp-sgd"], epsilons=[4.0])
+    assert {c.model for c in paper} == {"resnet20"}
 
 
 def test_tiny_bench_run_has_every_ratio(tmp_path):

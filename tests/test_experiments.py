@@ -53,6 +53,19 @@ def test_equivalence_command_on_mnist_st(tmp_path, flower_superlink):
     assert "| mnist-st | 600 |" in text and "cifar10-st | not run" in text
 
 
+def test_equivalence_table_for_some_data_sets_keeps_the_other_rows(tmp_path):
+    from dpdro.simulations.equivalence import write_table
+
+    old = {"dataset": "mnist-st", "records": 2000, "max_abs_param_diff": 0.0, "test_accuracy_diff": 0.0,
+           "worst_accuracy_diff": 0.0, "epsilon_diff": 0.0, "epsilon": 4.0}
+    write_table([old], {"cifar10-st": "data files not available here"}, tmp_path)
+    new = {**old, "dataset": "cifar10-st", "max_abs_param_diff": 2e-17}
+    lines = write_table([new], {}, tmp_path).read_text().splitlines()
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| dataset")]
+    assert rows == ["| mnist-st | 2000 | 0 | 0 | 0 | 0 | 4.0000 |",
+                    "| cifar10-st | 2000 | 2e-17 | 0 | 0 | 0 | 4.0000 |"]
+
+
 def test_audit_smoke_on_real_data(tmp_path):
     from dpdro.simulations.audit import run_audit
 

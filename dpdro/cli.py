@@ -283,7 +283,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset,
                        jobs=args.jobs, algorithms=args.only_method,
-                       epsilons=[float(e) for e in args.only_epsilon] if args.only_epsilon else None)
+                       epsilons=[float(e) for e in args.only_epsilon] if args.only_epsilon else None,
+                       seeds=args.only_seed)
     print(f"sweep {args.profile}: {counts}")
     print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs))}")
     return 0
@@ -501,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")
             s.add_argument("--only-method", nargs="*", help="restrict to these algorithms")
             s.add_argument("--only-epsilon", nargs="*", help="restrict to these target epsilons")
+            s.add_argument("--only-seed", nargs="*", type=int, help="restrict to these seeds (e.g. one seed first)")
             s.add_argument("--jobs", type=int, default=1, help="runs in parallel (local transport)")
     from dpdro.common.config import DATASETS
     from dpdro.simulations.tune import METHODS  # light: the tuner imports Optuna and torch only when it runs

@@ -1,7 +1,7 @@
 """Sweeps: algorithms x datasets x epsilon x seeds, single-node or on Flower's simulation, resumable.
 
     dpdro sweep --profile quick [--transport local|flower] [--root runs/sweep] [--only-dataset D ...]
-                [--only-method A ...] [--only-epsilon E ...]
+                [--only-method A ...] [--only-epsilon E ...] [--only-seed S ...]
     dpdro report [--root runs/sweep] [--profile tuned]      -> docs/RESULTS.md, docs/results.csv, docs/plots/
 
 Each run writes its own run directory ``<root>/<profile>/<dataset>/<algorithm>/eps<e>/seed<s>``; a run whose
@@ -82,9 +82,9 @@ def run_dir(root: Path, profile: str, dataset: str, algorithm: str, eps: float, 
 
 def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
               tuned_folder: Path = TUNED_CONFIGS, algorithms: list[str] | None = None,
-              epsilons: list[float] | None = None) -> list[Config]:
+              epsilons: list[float] | None = None, seeds: list[int] | None = None) -> list[Config]:
     """Validated configs of every run of the profile (ConfigError before any work if one is bad), restricted
-    to ``datasets``, ``algorithms`` and ``epsilons`` when given. A tuned profile skips, with a warning, every
+    to ``datasets``, ``algorithms``, ``epsilons`` and ``seeds`` when given. A tuned profile skips, with a warning, every
     (dataset, algorithm) that has no tuned config file yet."""
     import tomllib
 
@@ -107,6 +107,8 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
                 if epsilons and eps not in epsilons:
                     continue
                 for seed in profile.seeds:
+                    if seeds and seed not in seeds:
+                        continue
                     values = {**tuned, **profile.base, **profile.per_dataset.get(ds, {}),
                               **profile.per_algorithm.get(algo, {}),
                               "dataset": ds, "algorithm": algo, "epsilon": eps, "seed": seed,
@@ -116,14 +118,15 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
 
 
 def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets: list[str] | None = None,
-              jobs: int = 1, algorithms: list[str] | None = None, epsilons: list[float] | None = None) -> dict:
+              jobs: int = 1, algorithms: list[str] | None = None, epsilons: list[float] | None = None,
+              seeds: list[int] | None = None) -> dict:
     """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
     returns counts {'done', 'skipped', 'missing-data'}."""
     from ..launch.simulate import run_simulation
     from ..server.rundir import continue_keys
     from .runner import run_many
 
-    cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons)
+    cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons, seeds=seeds)
     counts = {"done": 0, "skipped": 0, "missing-data": 0}
     todo = []
     for cfg in cfgs:

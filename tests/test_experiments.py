@@ -88,6 +88,8 @@ def test_plan_runs_filters_methods_and_epsilons(tmp_path):
     cfgs = plan_runs(profile, tmp_path, algorithms=["dp-sgd-la"], epsilons=[1.0, 8.0])
     assert [(c.algorithm, c.epsilon, c.seed) for c in cfgs] == [
         ("dp-sgd-la", 1.0, 0), ("dp-sgd-la", 1.0, 1), ("dp-sgd-la", 8.0, 0), ("dp-sgd-la", 8.0, 1)]
+    cfgs = plan_runs(profile, tmp_path, epsilons=[4.0], seeds=[1])  # --only-seed: one seed of every method first
+    assert [(c.algorithm, c.epsilon, c.seed) for c in cfgs] == [("dp-sgd", 4.0, 1), ("dp-sgd-la", 4.0, 1)]
 
 
 def test_run_many_in_parallel_after_torch_ran_in_the_parent(tmp_path):

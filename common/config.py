@@ -166,7 +166,7 @@ def _dataset_names() -> tuple[str, ...]:
 # and config errors must not import (seconds on a loaded machine): until that module is imported nothing else can
 # have registered a model (a plug-in registers through it), so these are then all the names.
 # tests/test_cli_startup.py checks this tuple against a fresh import of MODELS.
-BUILTIN_MODELS = ("cnn", "resnet20", "cnn64", "mlp", "convnet")
+BUILTIN_MODELS = ("cnn", "cnn32", "resnet20", "cnn64", "mlp", "convnet")
 
 
 def _model_names() -> tuple[str, ...]:

@@ -2,10 +2,11 @@
 
     DPDRO_DATA_ROOT=/path/to/datasets .venv/bin/python examples/fit_mnist.py [OUT_DIR]
 
-A deliberately tiny run (3,000 training records, 30 iterations; measured 1 min 57 s wall, 16 s of CPU, on this
-project's 2-core machine while other jobs held it, 2026-12-02): it shows the calls, not good accuracy (0.40).
-The run directory (default runs/example-fit, replaced on every run) holds what `dpdro train` writes:
-config.json, metrics.csv, summary.json, model.pt, model.json, MODEL_CARD.md and plots/.
+A deliberately tiny run (3,000 training records, 30 iterations; measured 1 min 27 s to 1 min 57 s wall, 14-16 s
+of CPU, on this project's 2-core machine while other jobs held it, 2026-12-02): it shows the calls, not good
+accuracy (0.40 and 0.37 in two runs: the noise is fresh every run). The run directory (default
+runs/example-fit, replaced on every run) holds what `dpdro train` writes: config.json, metrics.csv,
+summary.json, model.pt, model.json, MODEL_CARD.md and plots/.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ export DPDRO_CACHE_DIR ?= $(CURDIR)/.cache/data
 export FLWR_HOME ?= $(CURDIR)/.flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: install run test test-all lint clean
+.PHONY: install run test test-containers test-all lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The image and compose.yaml for real (podman; .ci/install-podman installs it): tests/test_containers.py.
+test-containers: $(STAMP)
+	CONTAINERS_CONF=$(CURDIR)/containers/containers.conf DPDRO_REQUIRE_CONTAINERS=1 \
+		$(BIN)/python -m pytest -q -s -m container tests/test_containers.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -13,6 +13,10 @@ dpdro's DP Double-SPIDER next to Flower's own FedAvg strategy on the same SuperL
 
 Prints both and, with --write, writes the figures, the command and the machine's load into a Markdown file.
 Every process is stopped by PID at the end (LoopbackDeployment).
+
+``--containers``: the same dpdro run on compose.yaml's deployment (podman, the image localhost/dpdro:0.1.0 built
+beforehand, launch/compose.py) instead, FedAvg not run; with --write the figures are appended to the file as a
+section of their own, next to the loopback ones.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=4, help="dp-double-spider iterations (2 rounds each)")
     p.add_argument("--work-dir", default=None, help="deployment folder (default: a temporary folder)")
     p.add_argument("--write", default=None, help="Markdown file to write the figures into")
+    p.add_argument("--containers", action="store_true",
+                   help="dpdro on compose.yaml's containers (podman) instead of the loopback deployment")
     args = p.parse_args(argv)
+    if args.containers:
+        return containers_main(args, argv)
 
     from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
@@ -93,6 +101,67 @@ def main(argv: list[str] | None = None) -> int:
                 f"shared with other jobs, see the load average).\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
         Path(args.write).write_text(text)
         print(f"wrote {args.write}")
+    return 0
+
+
+def _round_seconds(out_dir: Path) -> tuple[int, float, float]:
+    """(releases, training-loop seconds without the two evaluations, seconds per release round) of a run."""
+    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
+    summary = json.loads((out_dir / "summary.json").read_text())
+    releases = sum(summary["releases"].values())
+    eval_s = float(rows[0]["wall_seconds"])  # the first row is the evaluation of the initial model
+    loop_s = float(rows[-1]["wall_seconds"]) - 2 * eval_s
+    return releases, loop_s, loop_s / releases
+
+
+def containers_main(args, argv) -> int:
+    """The dpdro part of the benchmark on compose.yaml's deployment (see the module docstring)."""
+    from dpdro.common.config import Config, toml_value
+    from dpdro.common.data import resolve_data_root
+    from dpdro.launch.compose import ComposeDeployment, container_problem, site_data_folder
+    from dpdro.launch.deploy import free_ports, override_string
+
+    image = "localhost/dpdro:0.1.0"
+    os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "containers" / "containers.conf"))
+    problem = container_problem(image)
+    if problem:
+        print(f"cannot run containers: {problem}", file=sys.stderr)
+        return 1
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="dpdro-latency-containers-"))
+    data_root = resolve_data_root("auto").resolve()
+    server = site_data_folder(data_root, work / "data" / "server")
+    sites = [site_data_folder(data_root, work / "data" / f"site-{i}") for i in (1, 2)]
+    cfg = Config.from_mapping({"num-clients": 2, "iterations": args.iterations, "max-train-records": 2000,
+                               "max-test-records": 500, "threads": 1, "eval-every": args.iterations,
+                               "out-dir": "/app/runs/latency"})
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with ComposeDeployment(ROOT, work, server, sites, free_ports(29192, 1)[0],
+                           project_name=f"dpdrolatency{os.getpid()}") as dep:
+        startup = time.monotonic() - t0
+        ours = dep.run(override_string(cfg, toml_value), timeout=3600)
+    load_after = os.getloadavg()
+    if not ours.ok:
+        print(f"dpdro run failed: {ours.status} {ours.details}\n{ours.log_tail}", file=sys.stderr)
+        return 1
+    releases, loop_s, per_round = _round_seconds(dep.runs / "latency")
+    lines = [
+        f"startup (compose up, SuperLink answering, registration, 2 SuperNodes online; flwr CLI in a container): "
+        f"{startup:.1f} s",
+        f"dpdro dp-double-spider: {releases} rounds ({args.iterations} iterations), {per_round:.2f} s/round "
+        f"({2 * per_round:.2f} s/iteration), loop {loop_s:.1f} s; run {ours.seconds:.1f} s submit-to-finish",
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)",
+    ]
+    print("\n".join(lines))
+    if args.write:
+        cmd = "simulations/bench_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = (f"\n## In containers (compose.yaml, podman)\n\nMeasured {dt.date.today().isoformat()} with "
+                f"`.venv/bin/python {cmd.strip()}`: the same dpdro run on compose.yaml's deployment (one container "
+                f"per process, podman 4.3.1 with runc, TLS and SuperNode authentication, SuperNodes through the "
+                f"Fleet gateway), same machine.\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
+        with open(args.write, "a") as f:
+            f.write(text)
+        print(f"appended to {args.write}")
     return 0
 
 

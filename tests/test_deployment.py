@@ -234,28 +234,31 @@ def _compose() -> dict:
 
 def test_compose_matches_tested_deployment_flags():
     services = _compose()["services"]
+    image = "${DPDRO_IMAGE:-localhost/dpdro:0.1.0}"  # one image, the entry point chosen per service
+    assert {s["image"] for s in services.values()} == {image}
     link = services["superlink"]
+    assert link["entrypoint"] == ["flower-superlink"]
     cmd = link["command"]
-    assert link["image"] == "flwr/superlink:1.42.0"
     for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
                  "--disable-runtime-dependency-installation", "--port"):
         assert flag in cmd, flag
     assert "--insecure" not in cmd
     assert cmd[cmd.index("--isolation") + 1] == "process"  # the executors run in their own containers
     port = cmd[cmd.index("--port") + 1]
-    # the SuperLink's port (Control API) is published on the operator's host only, on the operator network
-    assert link["ports"] == [f"127.0.0.1:{port}:{port}"] and link["networks"] == ["operator"]
+    # the SuperLink's port (Control API) is not published; it is on the operator network only
+    assert "ports" not in link and link["networks"] == ["operator"]
     gw = services["fleet-gateway"]
     assert gw["entrypoint"] == ["python", "-m", "dpdro.launch.fleet_gateway"]
     gcmd = gw["command"]
     assert gcmd[gcmd.index("--superlink") + 1] == f"superlink:{port}"
     gw_port = gcmd[gcmd.index("--listen") + 1].rsplit(":", 1)[1]
-    assert gw["ports"] == [f"{gw_port}:{gw_port}"] and set(gw["networks"]) == {"operator", "federation"}
+    assert gw["ports"] == [f"${{FLEET_PORT:-{gw_port}}}:{gw_port}"]
+    assert set(gw["networks"]) == {"operator", "federation"}
     nodes = [s for name, s in services.items() if name.startswith("supernode-")]
     assert len(nodes) == 2
     for i, node in enumerate(sorted(nodes, key=lambda s: s["command"][s["command"].index("--node-config") + 1])):
         c = node["command"]
-        assert node["image"] == "flwr/supernode:1.42.0"
+        assert node["entrypoint"] == ["flower-supernode"]
         assert c[c.index("--superlink") + 1] == f"fleet-gateway:{gw_port}"  # never the SuperLink itself
         assert "operator" not in node["networks"]
         assert "--root-certificates" in c and "--auth-supernode-private-key" in c and "--insecure" not in c
@@ -264,9 +267,8 @@ def test_compose_matches_tested_deployment_flags():
     executors = [s for name, s in services.items() if name.startswith(("serverapp", "clientapp"))]
     assert len(executors) == 3  # one ServerApp executor, one ClientApp executor per SuperNode
     for ex in executors:
-        assert ex["build"]["context"] == "."
-        c = ex["command"]
-        assert "--runtime-api-address" in c
+        assert "entrypoint" not in ex  # the image's: flower-superexec
+        assert "--runtime-api-address" in ex["command"]
     server_ex = services["serverapp"]["command"]
     assert server_ex[server_ex.index("--runtime-api-address") + 1] == f"superlink:{port}"
     assert "--root-certificates" in server_ex and "--insecure" not in server_ex
@@ -278,13 +280,18 @@ def test_compose_matches_tested_deployment_flags():
     # node its own auth key
     assert not any("server.key" in str(v) for n, s in services.items() if n not in ("superlink", "fleet-gateway")
                    for v in s.get("volumes", []))
+    cli = services["cli"]
+    assert cli["profiles"] == ["cli"] and cli["networks"] == ["operator"]
+    assert not any(v.rsplit(":", 2)[0].endswith(("supernode-1", "supernode-2", ".key")) for v in cli["volumes"])
 
 
-def test_dockerfile_is_superexec_based_with_cpu_default_and_cuda_arg():
+def test_dockerfile_base_wheels_and_ca_are_build_arguments():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM flwr/superexec:1\.42\.0", text, re.M)
-    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
-    assert "${TORCH_INDEX_URL}" in text
+    assert re.search(r"^ARG BASE_IMAGE=flwr/superexec:1\.42\.0$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    for arg in ("WHEELS=containers/wheels", "TORCH_INDEX_URL=", "EXTRA_CA_CERTS=", "PIP_NO_INDEX"):
+        assert re.search(rf"^ARG {arg}$", text, re.M), arg
+    assert "--mount=type=bind,source=${WHEELS},target=/wheels" in text
     assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in text
     # the image must carry every package the app imports
     for folder in ("dpdro", "common", "server", "client", "launch"):  # launch: the fleet-gateway service
@@ -298,7 +305,7 @@ def test_operator_guide_mentions_tested_commands():
     text = (ROOT / "docs" / "OPERATOR.md").read_text()
     for needle in ("flwr supernode register", "flwr supernode unregister", "--enable-supernode-auth",
                    "--auth-supernode-private-key", "--root-certificates", "dpdro certs create", "dpdro deploy",
-                   "Docker was not run"):
+                   "CONTAINERS_CONF", "podman-compose", "make-base.sh"):
         assert needle in text, needle
     assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")
 

@@ -438,7 +438,7 @@ def _canary_audit(args: argparse.Namespace) -> int:
                         f"--slots {args.slots} --trials {args.trials} --max-releases {args.max_releases}"])
 
     def progress(rows) -> None:
-        print(report_lines(rows[-1:], command, args.slots)[-1], flush=True)
+        print("\n".join(report_lines(rows, command, args.slots)[-len(rows):]), flush=True)
 
     path, rows = run_canary_audit(Path(args.docs), slots=args.slots, trials=args.trials,
                                   max_releases=args.max_releases, plan=plan, command=command, progress=progress)

@@ -411,6 +411,7 @@ DEFAULT_PLAN: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
     ("dp-sgda", "central", (), None),
     ("dp-double-spider", "distributed", ("x-refresh", "x-diff", "eta-diff"), None),
     ("dp-sgd", "distributed", (), None),
+    ("dp-sgd", "local", (), None),
     ("dp-sgd", "central", (), "noise-half"),
     ("dp-sgd", "distributed", (), "noise-half"),
     ("dp-double-spider", "central", ("x-diff",), "clip-double"),
@@ -464,13 +465,14 @@ def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, ma
                      plan: Sequence[tuple[str, str, tuple[str, ...], str | None]] = DEFAULT_PLAN,
                      command: str = "dpdro audit --mode canary", progress=None) -> tuple[Path, list[AuditRow]]:
     """Run every audit of ``plan`` and write the canary section of ``docs``/AUDIT.md (the other mode's section
-    is kept); returns (its path, the rows)."""
+    is kept); returns (its path, the rows). ``progress(rows)`` is called with each audited configuration's rows."""
     rows: list[AuditRow] = []
     for name, mode, mechanisms, broken in plan:
-        rows += audit_config(name, slots=slots, trials=trials, max_releases=max_releases, noise_mode=mode,
-                             mechanisms=mechanisms, broken=broken)
+        new = audit_config(name, slots=slots, trials=trials, max_releases=max_releases, noise_mode=mode,
+                           mechanisms=mechanisms, broken=broken)
+        rows += new
         if progress is not None:
-            progress(rows)
+            progress(new)
     path = write_section(docs / "AUDIT.md", "canary", report_lines(rows, command, slots))
     return path, rows
 

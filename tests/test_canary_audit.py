@@ -145,3 +145,12 @@ def test_presence_flags_reach_the_workers_records(tmp_path):
         features = w.x.view(w.x.shape[0], -1)
         assert torch.equal(features[:, 1].bool(), torch.as_tensor(present[features[:, 0].long().numpy()]))
     assert sum(w.num_records for w in transport.workers) == 30
+
+
+def test_cli_canary_mode_refuses_unknown_configurations_and_sizes(capsys):
+    from dpdro.cli import main
+
+    assert main(["audit", "--mode", "canary", "--configs", "dp-foo"]) == 2
+    assert "--configs: none of ['dp-foo'] is audited; allowed: dp-double-spider" in capsys.readouterr().err
+    assert main(["audit", "--mode", "canary", "--trials", "0"]) == 2
+    assert "--trials: got 0; allowed: >= 1" in capsys.readouterr().err

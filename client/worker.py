@@ -47,6 +47,8 @@ class ShardWorker:
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)
         self.y = shard.y.to(self.device)
+        # the declared group attribute (dro-groups=attribute); None for a data set without one
+        self.groups = shard.groups.to(self.device) if shard.groups is not None else None
         if module is not None:
             base = validate_model(copy.deepcopy(module).to(self.dtype))
         else:
@@ -91,6 +93,14 @@ class ShardWorker:
             self._problems = {offset: self.problem.with_offset(offset, self.dtype, self.device)}
         return self._problems[offset]
 
+    def _groups(self, problem: Problem) -> torch.Tensor:
+        """Each record's group (N,) int64: its class, or its declared group attribute (ValueError without one)."""
+        if problem.group_by == "class":
+            return self.y
+        if self.groups is None:
+            raise ValueError("dro-groups='attribute': this client's data set declares no group attribute")
+        return self.groups
+
     def answer(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
         """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
@@ -102,9 +112,11 @@ class ShardWorker:
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         idx = self.sample(query)
+        problem = self._problem(query.offset)
+        groups = self._groups(problem) if getattr(fn, "uses_groups", False) else None
         total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
                                        self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
-                                       query.dim, self._problem(query.offset), query.extra, self.cfg.chunk_size)
+                                       query.dim, problem, query.extra, self.cfg.chunk_size, groups)
         out = total.cpu().numpy()
         if query.count_scale > 0:
             out = np.append(out, query.count_scale * query.clip * clipped)
@@ -121,7 +133,7 @@ class ShardWorker:
 
 def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, y: torch.Tensor,
                   rows: torch.Tensor, clip: float, dim: int, problem: Problem, extra=(),
-                  chunk_size: int = 256) -> tuple[torch.Tensor, int]:
+                  chunk_size: int = 256, groups: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Sum over the records ``rows`` of clip_{clip}(sum_j coefs[j] fn(flats[j], scalars[j])), shape (dim,),
     float64 on x's device, and the number of records whose vector was scaled down by the clip: the work of
     one client on one query. Each record's vector is clipped exactly to ``clip`` in its dtype, rounding
@@ -129,16 +141,18 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
 
     Records are processed ``chunk_size`` at a time (vectorised within a chunk), so peak memory grows with
     chunk_size * dim, not with the number of records. ``flats`` are (d,) parameter points, ``rows`` (m,)
-    indices into x (N, ...) and y (N,); ``fn`` is a per-record quantity of ``common.quantities``.
+    indices into x (N, ...) and y (N,); ``fn`` is a per-record quantity of ``common.quantities``; ``groups`` (N,)
+    the records' groups, passed to a quantity that reads them (``quantities.uses_groups``).
     """
     total = torch.zeros(dim, dtype=torch.float64, device=x.device)
     clipped = 0
     for start in range(0, int(rows.shape[0]), chunk_size):
         sel = rows[start:start + chunk_size]
         xb, yb = x[sel], y[sel]
+        kw = {"groups": groups[sel]} if groups is not None else {}
         v = None
         for flat, scalar, coef in zip(flats, scalars, coefs, strict=True):
-            term = fn(model, flat, scalar, xb, yb, problem, extra).detach()
+            term = fn(model, flat, scalar, xb, yb, problem, extra, **kw).detach()
             if v is None:
                 v = term if coef == 1.0 else coef * term
             elif coef == -1.0:

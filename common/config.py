@@ -275,6 +275,10 @@ FIELDS: tuple[Field, ...] = (
           "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
           "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
           choices=("record", "group"), role="algorithm"),
+    Field("dro-groups", "str", "class", "The groups of dro-level=group: 'class' (the K classes) or 'attribute' (the "
+          "data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data set without one "
+          "is refused). 'attribute' releases a histogram of the groups before training (prior-noise-multiplier).",
+          choices=("class", "attribute"), role="algorithm"),
     Field("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
           "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
           "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
@@ -575,7 +579,12 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
     @property
     def uses_priors(self) -> bool:
         """Whether the run needs class priors pi (a logit adjustment at training or at prediction)."""
-        return self.tau > 0 or self.posthoc_tau > 0 or self.group_level
+        return self.tau > 0 or self.posthoc_tau > 0 or (self.group_level and self.dro_groups == "class")
+
+    @property
+    def uses_group_priors(self) -> bool:
+        """Whether the run needs the priors of the declared group attribute (dro-level=group, dro-groups=attribute)."""
+        return self.group_level and self.dro_groups == "attribute"
 
     @property
     def group_level(self) -> bool:

@@ -36,6 +36,7 @@ class Problem:
     weight_cap: float = math.inf  # public cap W_cap of every DRO weight (config weight-cap)
     soft_clamp: bool = False  # KL terms of B - softplus(B - l) instead of min(l, B) (loss-clamp=soft)
     offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
+    group_by: str = "class"  # the groups of group quantities: 'class' (y) or 'attribute' (config dro-groups)
 
     @classmethod
     def from_config(cls, cfg) -> Problem:
@@ -43,7 +44,7 @@ class Problem:
         clamp = cfg.dro_clip == "weight-after-clip" or cfg.eta_clip_rule == "weight-bound"
         return cls(psi=make_psi(cfg.psi, cfg.cvar_alpha), lam=cfg.lambda_, eta_scale=cfg.eta_scale,
                    loss_bound=cfg.loss_bound, u_scale=cfg.u_scale, clamp_weights=clamp, weight_cap=cfg.weight_cap,
-                   soft_clamp=cfg.loss_clamp == "soft")
+                   soft_clamp=cfg.loss_clamp == "soft", group_by=cfg.dro_groups)
 
     def with_offset(self, offset: Sequence[float], dtype: torch.dtype, device: torch.device) -> Problem:
         """This problem with the logit offset of a query (empty: the plain cross-entropy)."""
@@ -176,19 +177,38 @@ def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tens
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
 
 
+def uses_groups(fn: QuantityFn) -> QuantityFn:
+    """Mark a quantity that reads each record's group: the client passes ``groups`` (B,) int64, the record's
+    class with dro-groups=class or its declared group attribute with dro-groups=attribute (``Problem.group_by``);
+    a call without ``groups`` uses the classes y."""
+    fn.uses_groups = True
+    return fn
+
+
+@register_quantity("group-onehot")
+@uses_groups
+def group_onehot(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+    """e_g per record, shape (B, G) with G = len(extra): summed, the histogram of the groups (norm 1 per record,
+    sensitivity 1). Touches no parameter."""
+    return torch.nn.functional.one_hot(y if groups is None else groups, len(extra)).to(flat.dtype)
+
+
 @register_quantity("group-loss")
-def group_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
-    """e_y min(l, B) per record, shape (B, K) with K = len(extra): summed, the K-vector of group (class) loss sums
-    behind dro-level=group (ALGORITHMS.md 3.3). One record touches one coordinate, so a row's norm is
-    min(l, B) <= B; a SPIDER or STORM combination of two points has norm |c(l_t) - c' c(l_{t-1})|."""
+@uses_groups
+def group_loss(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+    """e_g min(l, B) per record, shape (B, G) with G = len(extra), g the record's group: summed, the G-vector of
+    group loss sums behind dro-level=group (ALGORITHMS.md 3.3). One record touches one coordinate, so a row's norm
+    is min(l, B) <= B; a SPIDER or STORM combination of two points has norm |c(l_t) - c' c(l_{t-1})|."""
     with torch.no_grad():
         losses = torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound)
-    return torch.nn.functional.one_hot(y, len(extra)).to(flat.dtype) * losses.unsqueeze(1)
+    groups = y if groups is None else groups
+    return torch.nn.functional.one_hot(groups, len(extra)).to(flat.dtype) * losses.unsqueeze(1)
 
 
 @register_quantity("group-weighted-grad")
-def group_weighted_grad(model, flat, index, x, y, problem, extra=()) -> torch.Tensor:
-    """w_y c(grad_x l) per record, shape (B, d), for dro-level=group (ALGORITHMS.md 3.3).
+@uses_groups
+def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+    """w_g c(grad_x l) per record, shape (B, d), g the record's group, for dro-level=group (ALGORITHMS.md 3.3).
 
     extra = (C_g, K, w^(0)_1..w^(0)_K[, w^(1)_1..w^(1)_K]): the public group weights of each point of the query, and
     the point's scalar ``index`` (0 or 1) says which set this point uses (a SPIDER difference pairs the weights of
@@ -200,7 +220,7 @@ def group_weighted_grad(model, flat, index, x, y, problem, extra=()) -> torch.Te
     grads = model.losses_and_grads(flat, x, y, problem.offset)[1]
     if math.isfinite(grad_clip):
         grads = clip_rows(grads, grad_clip)
-    return grads * w[y].unsqueeze(1)
+    return grads * w[y if groups is None else groups].unsqueeze(1)
 
 
 def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:

@@ -155,7 +155,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
     model = FlatModel(module if module is not None else
                       make_model(factory, test.num_classes, cfg.seed, dtype, input_shape))
-    algo = make_algorithm(cfg, n, model.dim, test.num_classes)
+    if cfg.uses_group_priors and test.num_groups == 0:
+        raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
+                          "attribute (allowed: 'class', or a data set with groups such as celeba)")
+    algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
     plan, noise, profiles = plan_run(cfg, algo, n, delta)
@@ -181,10 +184,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         write_json(rd.config, meta_config)
         setup = setup_releases.initial(cfg, test.num_classes)
-        for stage in setup_releases.stages(cfg, test.num_classes):
+        for stage in setup_releases.stages(cfg, test.num_classes, test.num_groups):
             releaser.offset = setup.offset(cfg.tau)
             setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
-        state = algo.start_state(x0, setup.eta0, setup.priors)
+        state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
     prediction_shift = _prediction_shift(cfg, setup)
 

@@ -5,6 +5,8 @@ ledger like every other release.
   contributes its one-hot label e_y (norm 1, so the sensitivity under add/remove is 1); the sum gets
   N(0, z_h^2 I_K) with z_h = prior-noise-multiplier. The priors are post-processing of the noisy counts:
   pi_k = max(c_k, 1) / sum_j max(c_j, 1), a valid distribution with no zero (log pi is finite).
+- 'group-histogram' (dro-level=group with dro-groups=attribute): the same for the declared group attribute,
+  e_g per record, N(0, z_h^2 I_G); the group priors follow by the same post-processing.
 - 'eta-init' (eta-init-source='private-mean-loss', algorithms with a dual variable): every record
   contributes min(l(x_0; xi), B) in [0, B] at the public initial model x_0 (with the logit offset when the
   loss is logit-adjusted); the sum gets N(0, (z_e B)^2), z_e = eta-init-noise-multiplier, and
@@ -18,7 +20,7 @@ stages (the loss of eta-init needs the priors).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,17 +28,24 @@ from ..common.messages import Point, Query
 from .ledger import Mechanism
 
 HISTOGRAM = "class-histogram"
+GROUP_HISTOGRAM = "group-histogram"
 ETA_INIT = "eta-init"
 
 
 @dataclass(frozen=True)
 class SetupResult:
     """What the setup releases gave: ``priors`` (K,) pi (None if no adjustment is configured), where they came
-    from ('private', 'public' or 'none'), and ``eta0`` (None: the configured eta-init is used)."""
+    from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used) and ``group_priors``
+    (G,) of the declared group attribute (None unless dro-groups=attribute)."""
 
     priors: tuple[float, ...] | None = None
     prior_source: str = "none"
     eta0: float | None = None
+    group_priors: tuple[float, ...] | None = None
+
+    def dro_priors(self, cfg) -> tuple[float, ...] | None:
+        """The priors of dro-level=group's groups: the group attribute's or the classes'."""
+        return self.group_priors if cfg.uses_group_priors else self.priors
 
     def offset(self, tau: float) -> tuple[float, ...]:
         """tau log(pi) (K,), the logit offset of the adjusted loss; () for tau = 0 or no priors."""
@@ -47,13 +56,14 @@ class SetupResult:
     def to_json(self) -> dict:
         """JSON-friendly form (for checkpoints)."""
         return {"priors": list(self.priors) if self.priors is not None else None, "prior_source": self.prior_source,
-                "eta0": self.eta0}
+                "eta0": self.eta0, "group_priors": list(self.group_priors) if self.group_priors is not None else None}
 
     @classmethod
     def from_json(cls, d: dict) -> SetupResult:
         """Inverse of ``to_json``."""
-        priors = d.get("priors")
-        return cls(tuple(priors) if priors is not None else None, d.get("prior_source", "none"), d.get("eta0"))
+        priors, groups = d.get("priors"), d.get("group_priors")
+        return cls(tuple(priors) if priors is not None else None, d.get("prior_source", "none"), d.get("eta0"),
+                   tuple(groups) if groups is not None else None)
 
 
 def mechanisms(cfg) -> dict[Mechanism, int]:
@@ -61,19 +71,27 @@ def mechanisms(cfg) -> dict[Mechanism, int]:
     out = {}
     if cfg.uses_priors and cfg.class_prior == "private":  # also without privacy: stages() takes it (noise 0)
         out[Mechanism(HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
+    if cfg.uses_group_priors:
+        out[Mechanism(GROUP_HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
     if cfg.private_eta_init:
         out[Mechanism(ETA_INIT, 1.0, fixed_noise=cfg.eta_init_noise_multiplier)] = 1
     return out
 
 
-def stages(cfg, num_classes: int) -> list[list[Query]]:
-    """The setup queries in order: [histogram], then [eta-init]; each at model version 0 (x_0). Without
-    privacy (epsilon=inf) the histogram is still taken (exact counts, nothing to protect)."""
-    out = []
+def stages(cfg, num_classes: int, num_groups: int = 0) -> list[list[Query]]:
+    """The setup queries in order: [histograms], then [eta-init]; each at model version 0 (x_0). Without
+    privacy (epsilon=inf) the histograms are still taken (exact counts, nothing to protect). ``num_groups``: G of
+    the declared group attribute (used with dro-groups=attribute)."""
+    out, histograms = [], []
+    clip = cfg.clip(1.0)
     if cfg.uses_priors and cfg.class_prior == "private":
-        clip = cfg.clip(1.0)
-        out.append([Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
-                          extra=(0.0,) * num_classes)])
+        histograms.append(Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
+                                extra=(0.0,) * num_classes))
+    if cfg.uses_group_priors:
+        histograms.append(Query(0, GROUP_HISTOGRAM, "group-onehot", (Point(0, 0.0),), 1.0, clip, num_groups,
+                                extra=(0.0,) * num_groups))
+    if histograms:
+        out.append(histograms)
     if cfg.private_eta_init:
         clip = cfg.clip(cfg.loss_bound)
         out.append([Query(0, ETA_INIT, "bounded-loss", (Point(0, cfg.eta_init),), 1.0, clip, 1)])
@@ -102,8 +120,10 @@ def initial(cfg, num_classes: int) -> SetupResult:
 def absorb(result: SetupResult, released: dict[str, np.ndarray], n: int, cfg) -> SetupResult:
     """Fold one stage's released means (sums / n) into the result."""
     if HISTOGRAM in released:
-        result = SetupResult(priors_from_counts(released[HISTOGRAM] * n), "private", result.eta0)
+        result = replace(result, priors=priors_from_counts(released[HISTOGRAM] * n), prior_source="private")
+    if GROUP_HISTOGRAM in released:
+        result = replace(result, group_priors=priors_from_counts(released[GROUP_HISTOGRAM] * n))
     if ETA_INIT in released:
         mean_loss = float(released[ETA_INIT][0])
-        result = SetupResult(result.priors, result.prior_source, mean_loss / cfg.eta_scale)
+        result = replace(result, eta0=mean_loss / cfg.eta_scale)
     return result

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from scipy.optimize import brentq
 
 from dpdro.client.local_transport import LocalTransport
-from dpdro.common.config import Config
+from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset
 from dpdro.common.models import make_model
 from dpdro.common.per_sample import FlatModel, clip_rows
@@ -28,12 +28,17 @@ from dpdro.server.engine import train
 N, K = 30, 10
 
 
+G = 3
+
+
 def tiny_data() -> ArrayDataset:
+    """N records, unequal class sizes, and a declared group attribute (G groups, not a function of the class)."""
     g = torch.Generator().manual_seed(1)
     x = torch.rand(N, 1, 28, 28, generator=g, dtype=torch.float64) * 2 - 1
     sizes = [1, 2, 3, 4, 1, 2, 3, 4, 5, 5]  # unequal groups, N records
     y = torch.tensor([k for k in range(K) for _ in range(sizes[k])])
-    return ArrayDataset(x, y, K, "tiny")
+    groups = torch.tensor([0] * 4 + [1] * 19 + [2] * 7)[torch.randperm(N, generator=g)]
+    return ArrayDataset(x, y, K, "tiny", groups, G)
 
 
 def cfg_of(tmp_path, **kw) -> Config:
@@ -45,21 +50,22 @@ def cfg_of(tmp_path, **kw) -> Config:
     return Config.from_mapping(values)
 
 
-def reference(data, cfg, weights_and_dual, dual0):
-    """x after cfg.iterations exact steps x <- x - lr (1/n) sum_i w_{y_i} grad l_i, w from the exact class mean
-    losses (clamped at B) and the exact class frequencies."""
+def reference(data, cfg, weights_and_dual, dual0, by_attribute=False):
+    """x after cfg.iterations exact steps x <- x - lr (1/n) sum_i w_{g_i} grad l_i, w from the exact group mean
+    losses (clamped at B) and the exact group frequencies; groups = the classes, or the attribute."""
     model = FlatModel(make_model("cnn", K, cfg.seed, torch.float64))
-    x, y = model.initial().clone(), data.y.numpy()
-    counts = np.bincount(y, minlength=K).astype(float)
+    groups = data.groups if by_attribute else data.y
+    x, y, k_groups = model.initial().clone(), groups.numpy(), (G if by_attribute else K)
+    counts = np.bincount(y, minlength=k_groups).astype(float)
     pi = counts / counts.sum()
     dual = dual0
     for _ in range(cfg.iterations):
         xx = x.detach().requires_grad_(True)
         losses = model.losses(xx, data.x, data.y)
         clamped = np.minimum(losses.detach().numpy(), cfg.loss_bound)
-        lk = np.array([clamped[y == k].mean() for k in range(K)])
+        lk = np.array([clamped[y == k].mean() for k in range(k_groups)])
         w, dual = weights_and_dual(lk, pi, dual)
-        (g,) = torch.autograd.grad((torch.as_tensor(w)[data.y] * losses).mean(), xx)
+        (g,) = torch.autograd.grad((torch.as_tensor(w)[groups] * losses).mean(), xx)
         x = x.detach() - cfg.lr_x * g
     return x.numpy()
 
@@ -81,6 +87,27 @@ def test_group_double_spider_full_batch_is_gradient_descent_on_the_group_kl_dro(
     cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **{"lambda": 0.7, "weight-cap": cap})
     expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0)
     np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_group_double_spider_over_a_declared_group_attribute(tmp_path):
+    """dro-groups=attribute: the groups are the data set's attribute (here 3 groups that cut across the classes),
+    their priors come from the charged group histogram."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **{"lambda": 0.7, "dro-groups": "attribute"})
+    expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0, by_attribute=True)
+    result = train(cfg, LocalTransport(cfg, data), data)
+    np.testing.assert_allclose(result.params, expected, rtol=1e-7, atol=1e-9)
+    mechanisms = {json.loads(line)["mechanism"] for line in open(tmp_path / "run" / "events.jsonl")}
+    assert "group-histogram" in mechanisms and "class-histogram" not in mechanisms
+
+
+def test_group_attribute_is_refused_for_a_data_set_without_one(tmp_path):
+    data = tiny_data()
+    plain = ArrayDataset(data.x, data.y, K, "tiny")
+    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **{"dro-groups": "attribute"})
+    with pytest.raises(ConfigError, match="dro-groups.*declares no group attribute"):
+        train(cfg, LocalTransport(cfg, plain), plain)
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # refused before any release
 
 
 def test_group_recursive_spider_full_batch_is_gradient_descent_on_the_group_kl_objective(tmp_path):

@@ -69,6 +69,7 @@ class Algorithm(ABC):
     """Base class. Args: cfg (Config), n (number of training records, public), dim (model parameters),
     num_classes (K of the classification task)."""
 
+    num_groups = 0  # G of the data set's declared group attribute (set by ``make_algorithm``; 0: none)
     name = ""  # set by ``register_algorithm``, with ``spec`` (its common.algorithm_specs.AlgorithmSpec)
     spec = None
 

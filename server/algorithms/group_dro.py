@@ -95,7 +95,8 @@ class GroupDro(Algorithm):
     # ---- shared ----
     @property
     def k(self) -> int:
-        return self.num_classes
+        """The number of groups: the classes, or the declared group attribute's G (dro-groups=attribute)."""
+        return self.num_groups if self.cfg.dro_groups == "attribute" else self.num_classes
 
     @property
     def weight_after_clip(self) -> bool:
@@ -133,10 +134,10 @@ class GroupDro(Algorithm):
 
     def start_state(self, x0: np.ndarray, eta0: float | None = None,
                     priors: tuple[float, ...] | None = None) -> GroupState:
-        """The initial state with the released class priors pi (K,); ValueError without them (the setup
+        """The initial state with the released group priors pi (G,); ValueError without them (the setup
         releases the histogram for every group-level run, server/setup.py)."""
         if priors is None or len(priors) != self.k:
-            raise ValueError(f"dro-level=group needs the class priors of the setup release, got {priors!r}")
+            raise ValueError(f"dro-level=group needs the {self.k} group priors of the setup release, got {priors!r}")
         state = self.init_state(x0)
         state.pi = np.asarray(priors, dtype=np.float64)
         return state

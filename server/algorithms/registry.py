@@ -31,9 +31,11 @@ def register_algorithm(spec: str | AlgorithmSpec):
     return add
 
 
-def make_algorithm(cfg, n: int, dim: int, num_classes: int = 10) -> Algorithm:
-    """The algorithm named by config key ``algorithm``. Raises ValueError for an unknown name."""
+def make_algorithm(cfg, n: int, dim: int, num_classes: int = 10, num_groups: int = 0) -> Algorithm:
+    """The algorithm named by config key ``algorithm`` (``num_groups``: G of the data set's declared group
+    attribute, 0 if none). Raises ValueError for an unknown name."""
     cls = ALGORITHMS.get_entry(cfg.algorithm)
     algo = cls.variant_for(cfg)(cfg, n, dim, num_classes)
+    algo.num_groups = num_groups
     algo.name, algo.spec = cls.name, cls.spec  # a variant runs under its algorithm's name
     return algo

@@ -438,11 +438,17 @@ def report_lines(rows: Sequence[AuditRow], command: str, slots: int) -> list[str
         "Code: simulations/canary_audit.py.", "",
         "Claimed epsilon is **per release**: epsilon(delta) of the one Poisson-subsampled Gaussian (rate, z) the "
         "ledger charges for it, at the run's delta = 1/(10 n). The audited runs are short (1-2 iterations, "
-        "noise-allocation=ratios with ratio 1) so that a single release spends epsilon 4-7; the run's composed "
+        "noise-allocation=ratios with ratio 1) so that a single release spends an epsilon of about 4-7; the run's "
+        "composed "
         "target (calibrated by the ledger) is in the 'run eps' column. 'estimate [interval]': log((TPR - delta) / "
         "FPR) at the threshold of the bound, with the rates' raw values and their other Clopper-Pearson ends "
         "(inf: no false positive there). 'noise': std of the absent canaries' statistic over the claimed noise "
-        "std (1 when the noise is what the ledger was told).", "",
+        "std (1 when the noise is what the ledger was told). A release of D coordinates carries min(D, n) canaries, "
+        "so one release gives up to n trials; the one-coordinate releases (eta-refresh, eta-diff, eta-init, s) give "
+        "one trial per release and are capped by --max-releases, hence their looser bounds at the same cost. "
+        "Negative controls ('break'): noise-half draws half the calibrated noise (server and client shares), "
+        "clip-double has the clients clip at twice the declared clip; the ledger is told neither, so their bound "
+        "must exceed the claim.", "",
         "| configuration | release | noise mode | break | rate | z | clip | run eps | claimed eps / release | "
         "empirical eps lower bound (95%) | estimate [interval] | claim / bound | trials (releases) | noise | "
         "verdict |",

@@ -235,7 +235,11 @@ FIELDS: tuple[Field, ...] = (
           choices=("test", "validation"), role="data"),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
           low=1, high=10_000, role="data"),
-    Field("partition", "str", "iid", "How records are split over clients.", choices=("iid", "dirichlet"), role="data"),
+    Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
+          "data set; 'node-local': each Flower node trains on its own data, read from its node config "
+          "(flower-supernode --node-config \"data-root='/site/data'\"), nothing partitioned centrally, the server "
+          "learning only the shard sizes (deployment only: docs/OPERATOR.md).",
+          choices=("iid", "dirichlet", "node-local"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
     Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'cnn32' (small GroupNorm CNN, 3x32x32, "
@@ -549,6 +553,11 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                 MODELS.get_entry(self.model)
             except ValueError as e:
                 raise ConfigError(f"config key 'model': {e}") from None
+        if self.partition == "node-local" and not spec.num_classes and "classes" in spec.keys \
+                and not self.classes.strip():
+            raise ConfigError(f"config key 'classes': got ''; allowed with partition='node-local' and dataset="
+                              f"{self.dataset}: the class names in label order (each site's files may hold other "
+                              "classes, so they cannot come from one site's files)")
         own_validation = spec.own_validation
         if own_validation and self.validation_fraction > 0:
             raise ConfigError(f"config key 'validation-fraction': got {self.validation_fraction}; allowed for "

@@ -50,8 +50,19 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts]
 
 
+NODE_LOCAL_ONLY_DEPLOYED = (
+    "config key 'partition': got 'node-local'; allowed here: 'iid' or 'dirichlet'. Node-local data needs a Flower "
+    "deployment (dpdro deploy --node-data-root DIR ..., or SuperNodes started with --node-config "
+    "\"data-root='/site/data'\"): single-node training and the simulation hold one data set in one place")
+
+
 def make_partition(cfg, labels: np.ndarray) -> list[np.ndarray]:
-    """The partition described by a ``Config`` (keys partition, num-clients, dirichlet-alpha, seed)."""
+    """The partition described by a ``Config`` (keys partition, num-clients, dirichlet-alpha, seed). ConfigError
+    for partition='node-local': there each node reads its own data and nothing is partitioned centrally."""
+    if cfg.partition == "node-local":
+        from .config import ConfigError
+
+        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
     if cfg.partition == "iid":
         return iid_partition(len(labels), cfg.num_clients, cfg.seed)
     return dirichlet_partition(labels, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed)

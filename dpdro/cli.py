@@ -143,6 +143,14 @@ def _stopped_message(out_dir: str, iteration: int | None = None, iterations: int
     return f"dpdro: stopped {where}; checkpoint at iteration {saved}: resume with  dpdro train --resume {out_dir}"
 
 
+def _refuse_node_local(cfg: Config) -> None:
+    """ConfigError for partition='node-local' in a command whose clients share one data set (train, simulate)."""
+    if cfg.partition == "node-local":
+        from dpdro.common.partition import NODE_LOCAL_ONLY_DEPLOYED
+
+        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:
         cfg = config_from_args(args)  # a configuration error answers before torch is imported
@@ -153,6 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
     if args.overwrite:
         cfg = cfg.with_updates({"overwrite": True})
+    _refuse_node_local(cfg)  # before any data is loaded
     with _CtrlC() as ctrl_c:
         try:
             transport, test_set = prepare_local(cfg, resume=bool(args.resume))  # out-dir, device, then the data
@@ -272,6 +281,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.overwrite:
         cfg = cfg.with_updates({"overwrite": True})
     check_device(cfg.device)  # the simulated clients compute on this machine
+    _refuse_node_local(cfg)  # before any process starts
     with _own_children():
         summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
     _print_summary(summary, cfg.out_dir)
@@ -402,7 +412,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         with _own_children():
             summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=args.app,
                                              stream=not args.quiet, superlink_port=args.superlink_port,
-                                             supernode_port=args.supernode_port, fleet_port=args.fleet_port)
+                                             supernode_port=args.supernode_port, fleet_port=args.fleet_port,
+                                             node_data_roots=args.node_data_root)
     except DeploymentError as e:
         print(f"dpdro: deployment failed: {e}", file=sys.stderr)
         return 1
@@ -597,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
     s.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     s.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
+    s.add_argument("--node-data-root", action="append", metavar="DIR",
+                   help="a SuperNode's own data-root, once per node in order (its --node-config data-root); "
+                        "required with partition=node-local, where each node trains on all of its own data")
     s.add_argument("--work-dir", default=".flwr/deploy", help="certificates, FLWR_HOMEs, logs")
     s.add_argument("--superlink-port", type=int, default=None,
                    help="SuperLink port on 127.0.0.1 (Control API: operator only); default: first free from 18000")

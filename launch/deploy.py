@@ -429,31 +429,50 @@ def override_string(cfg, fmt) -> str:
 def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str | os.PathLike = ".",
                   node_data_root: str | None = None, node_cache_dir: str | None = None, stream: bool = True,
                   timeout: float = 24 * 3600, superlink_port: int | None = None,
-                  supernode_port: int | None = None, fleet_port: int | None = None) -> tuple[dict, RunOutcome]:
-    """Run a dpdro Config on a loopback deployment of ``num_nodes`` SuperNodes (one partition each).
+                  supernode_port: int | None = None, fleet_port: int | None = None,
+                  node_data_roots: Sequence[str] | None = None) -> tuple[dict, RunOutcome]:
+    """Run a dpdro Config on a loopback deployment of ``num_nodes`` SuperNodes (one partition each, or with
+    partition='node-local' each node's own data).
 
     Each node gets ``data-root``/``cache-dir`` in its node config (default: this machine's resolved
-    values), as a real site would. The run config carries absolute paths for the server side.
+    values), as a real site would: ``node_data_roots`` gives one data-root per node (required, and each must
+    exist, for partition='node-local', where node i trains on every record of its data-root and the run
+    config's data-root is the server's evaluation data only). The run config carries absolute paths for the
+    server side.
     Returns (summary.json, RunOutcome). Raises ConfigError (before anything starts) for a non-empty out-dir
     without config key resume or overwrite, DataError (before anything starts) when the data set is not
     available here, DeploymentError if the run does not complete or writes no summary; every process is
     stopped in all cases, also on SIGTERM/SIGHUP (then ``TerminatedBySignal``, a SystemExit, propagates after
     the cleanup) and Ctrl-C.
     """
-    from ..common.config import toml_value
+    from ..common.config import ConfigError, toml_value
     from ..common.data import pin_data_paths
     from ..server.rundir import RunDir, check_out_dir, read_json
 
     if cfg.num_clients != num_nodes:
         raise DeploymentError(f"num-clients={cfg.num_clients} but {num_nodes} SuperNodes: they must be equal")
+    if node_data_roots is not None and len(node_data_roots) != num_nodes:
+        raise ConfigError(f"--node-data-root: got {len(node_data_roots)} folders or files for {num_nodes} SuperNodes; "
+                          "allowed: one per node")
+    if cfg.partition == "node-local":
+        if node_data_roots is None:
+            raise ConfigError("config key 'partition': got 'node-local'; it needs each node's own data: "
+                              "dpdro deploy --node-data-root SITE1 --node-data-root SITE2 ... (one per node)")
+        missing = [r for r in node_data_roots if not Path(r).exists()]
+        if missing:
+            raise ConfigError(f"--node-data-root: {', '.join(missing)} does not exist; allowed: a node's data "
+                              f"(a folder or file in the layout of dataset={cfg.dataset})")
     cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve())})
     check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work
     cfg = pin_data_paths(cfg)  # DataError (where it looked) before any process starts
     data_root, cache_dir = cfg.data_root, cfg.cache_dir
     node_cfg = {"data-root": node_data_root or data_root, "cache-dir": node_cache_dir or cache_dir}
+    node_cfgs = [dict(node_cfg) for _ in range(num_nodes)]
+    for i, root in enumerate(node_data_roots or ()):  # a site's own data, as its --node-config would name it
+        node_cfgs[i].update({"data-root": str(Path(root).resolve()), "dataset": cfg.dataset})
     summary_path = RunDir(cfg.out_dir).summary
     summary_path.unlink(missing_ok=True)
-    with stop_on_signals(), LoopbackDeployment(work_dir, num_nodes, [node_cfg] * num_nodes,
+    with stop_on_signals(), LoopbackDeployment(work_dir, num_nodes, node_cfgs,
                                                superlink_port=superlink_port, supernode_port=supernode_port,
                                                fleet_port=fleet_port) as dep:
         outcome = dep.run(app_dir, override_string(cfg, toml_value), timeout=timeout, stream=stream)

@@ -194,6 +194,84 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     assert len(shards) >= 2
 
 
+def _site_csv(path: Path, n: int, seed: int, lo: float, hi: float) -> None:
+    """n records 'f1,f2,label' with f2 drawn from [lo, hi): a site's own file (label 'hi' iff f1 + 0.3 f2 > 0.65)."""
+    import random
+
+    r = random.Random(seed)
+    rows = ["f1,f2,label"]
+    for _ in range(n):
+        a, b = r.random(), r.uniform(lo, hi)
+        rows.append(f"{a:.4f},{b:.4f},{'hi' if a + 0.3 * b > 0.65 else 'lo'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.flower
+def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
+    """Issue 24, item 4: two SuperNodes, each with its own CSV file (120 and 80 records from different parts of
+    the feature space) named only in its node config (data-root, dataset), partition='node-local': nothing is
+    partitioned centrally, the server holds only its evaluation file and learns the shard sizes, so the ledger's
+    n is 120 + 80; the global model trains (test accuracy from 0.47 at iteration 0 to >= 0.7 after 4 iterations).
+    Each node reads every record of its file: nobody evaluates on a site's records."""
+    import numpy as np
+
+    from dpdro.common.config import Config
+    from dpdro.launch.deploy import deploy_config
+
+    sites = [tmp_path / "site1" / "records.csv", tmp_path / "site2" / "records.csv"]
+    _site_csv(sites[0], 120, 1, 0.0, 0.5)
+    _site_csv(sites[1], 80, 2, 0.5, 1.0)
+    server_eval = tmp_path / "server" / "eval.csv"  # public evaluation data (its 20% test split is evaluated)
+    _site_csv(server_eval, 500, 3, 0.0, 1.0)
+    out = tmp_path / "run"
+    cfg = Config.from_mapping({
+        "dataset": "csv", "partition": "node-local", "classes": "lo,hi", "csv-bounds": "0:1",
+        "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 2, "iterations": 4,
+        "q": 2, "refresh-batch": 60, "diff-batch": 30, "epsilon": 8.0, "eval-every": 2, "threads": 1,
+        "reproducible": True, "out-dir": str(out), "round-timeout": 300.0})
+    summary, outcome = deploy_config(cfg, 2, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
+                                     node_data_roots=[str(p) for p in sites])
+    assert outcome.ok
+    assert json.loads((out / "config.json").read_text())["n"] == 200  # the sum of the two shards
+    assert summary["transport"] == "flower" and summary["num_clients"] == 2
+    assert summary["delta"] == pytest.approx(1 / 2000)  # auto: 1/(10 n) with n = 200
+    assert 7.9 <= summary["epsilon_spent"] <= 8.0 + 1e-9
+    assert summary["releases"] == {"eta-refresh": 2, "x-refresh": 2, "eta-diff": 2, "x-diff": 2}
+    rows = (out / "metrics.csv").read_text().splitlines()
+    first, last = (dict(zip(rows[0].split(","), r.split(","), strict=False)) for r in (rows[1], rows[-1]))
+    assert int(last["iteration"]) == 4
+    assert float(last["test_accuracy"]) >= 0.7 and float(first["test_accuracy"]) < 0.6
+    # each node cached its own shard, of its own size, in the cache its node config names
+    sizes = sorted(int(np.load(f)["y"].shape[0]) for f in (tmp_path / "cache" / "shards").glob("*.npz"))
+    assert sizes == [80, 120]
+
+
+def test_node_local_partition_is_refused_where_no_node_holds_its_own_data(tmp_path):
+    """Single-node training and the simulation hold one data set: partition='node-local' is refused there, and by
+    `dpdro deploy` without one --node-data-root per node, before any process starts; a user data set without
+    declared classes is refused (each site's files may hold other classes)."""
+    from dpdro.cli import main
+    from dpdro.common.config import Config, ConfigError
+    from dpdro.launch.deploy import deploy_config
+
+    keys = {"dataset": "csv", "partition": "node-local", "classes": "lo,hi", "csv-bounds": "0:1",
+            "num-clients": 2, "out-dir": str(tmp_path / "run")}
+    with pytest.raises(ConfigError, match="classes"):
+        Config.from_mapping({**keys, "classes": ""})
+    cfg = Config.from_mapping(keys)
+    with pytest.raises(ConfigError, match="one per node"):
+        deploy_config(cfg, 2, tmp_path / "deploy", node_data_roots=["a"])
+    with pytest.raises(ConfigError, match="--node-data-root SITE1"):
+        deploy_config(cfg, 2, tmp_path / "deploy")
+    with pytest.raises(ConfigError, match="does not exist"):
+        deploy_config(cfg, 2, tmp_path / "deploy", node_data_roots=[str(tmp_path / "x"), str(tmp_path / "y")])
+    set_args = ["--set", *(f"{k}={v}" for k, v in keys.items())]
+    assert main(["train", *set_args]) == 2
+    assert main(["simulate", *set_args]) == 2
+    assert not (tmp_path / "run").exists() and not (tmp_path / "deploy").exists()
+
+
 @pytest.mark.flower
 @pytest.mark.data
 def test_loopback_deployment_runs_distributed_noise_through_secagg(tmp_path):
@@ -305,7 +383,7 @@ def test_operator_guide_mentions_tested_commands():
     text = (ROOT / "docs" / "OPERATOR.md").read_text()
     for needle in ("flwr supernode register", "flwr supernode unregister", "--enable-supernode-auth",
                    "--auth-supernode-private-key", "--root-certificates", "dpdro certs create", "dpdro deploy",
-                   "CONTAINERS_CONF", "podman-compose", "make-base.sh"):
+                   "CONTAINERS_CONF", "podman-compose", "make-base.sh", "--node-data-root", "partition=node-local"):
         assert needle in text, needle
     assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")
 

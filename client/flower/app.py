@@ -14,6 +14,12 @@ file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the configuration keys tha
 partition) and read from there by later messages instead of rebuilding the data set. The file stays on the
 node. A site's own ``data-root`` and ``cache-dir`` may be given in its node config (``flower-supernode
 --node-config 'data-root="/data" ...'``); they override the run config's values on that node.
+
+Node-local data (config key ``partition = "node-local"``): the node's shard is every record of the data its node
+config points at (``data-root``, required then; ``dataset`` optional, checked against the run's), read on the
+node; nothing is partitioned centrally and the records never leave the node: the server learns only the shard size
+(the 'hello' reply, public as n is) and the clipped, noised sums of releases. Its shard cache is keyed, as for
+any user files, also by their names, sizes and modification times (``data.data_fingerprint``).
 """
 
 from __future__ import annotations
@@ -46,13 +52,25 @@ class PartitionError(ValueError):
 
 
 NODE_KEYS = ("data-root", "cache-dir")  # node-config keys that override the run config on this node
+NODE_LOCAL = "node-local"  # config key partition: each node trains on the data its node config points at
 # The keys that can change which records a node holds (role 'data' in common/config.py): the shard-cache key.
 DATA_KEYS = keys_with_role("data")
 
 
 def _config(context: Context) -> Config:
+    """The run config with this node's own data-root and cache-dir. PartitionError when the node's declared
+    ``dataset`` is not the run's, or when the run is node-local and the node config names no data-root (the node
+    would otherwise read the server's path)."""
     cfg = Config.from_mapping(dict(context.run_config), ignore_unknown=True)
-    local = {k: str(context.node_config[k]) for k in NODE_KEYS if k in context.node_config}
+    node = context.node_config
+    if "dataset" in node and str(node["dataset"]) != cfg.dataset:
+        raise PartitionError(f"node config dataset={node['dataset']!r}, but the run trains on dataset="
+                             f"{cfg.dataset!r}: this site holds other data than the run expects")
+    if cfg.partition == NODE_LOCAL and "data-root" not in node:
+        raise PartitionError("partition='node-local' but this node's node config sets no data-root: start the "
+                             "SuperNode with --node-config \"data-root='/site/data' ...\" (where this site keeps "
+                             "its records)")
+    local = {k: str(node[k]) for k in NODE_KEYS if k in node}
     return cfg.with_updates(local) if local else cfg
 
 
@@ -95,8 +113,11 @@ def _load_shard(cfg: Config, pid: int):
                                     str(z["name"]), groups, int(z["num_groups"]))
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:  # truncated: not a zip
             log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
-    train = load_from_config(cfg, train=True)
-    shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
+    if cfg.partition == NODE_LOCAL:
+        shard = _all_local_records(cfg)
+    else:
+        train = load_from_config(cfg, train=True)
+        shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
     if path is None:
         return shard
     try:
@@ -110,6 +131,24 @@ def _load_shard(cfg: Config, pid: int):
     except OSError as e:
         log.warning("could not write shard cache %s: %s", path, e)
     return shard
+
+
+def _all_local_records(cfg: Config):
+    """Node-local data: every record the node's data-root holds, its training and test splits together (a single
+    CSV file's or image folder's held-out part included): nobody evaluates on a site's records (the server
+    evaluates on its own data), so none is left out of training."""
+    import torch
+
+    from ...common.data import ArrayDataset, load_from_config
+
+    parts = [load_from_config(cfg, "train"), load_from_config(cfg, "test")]
+    a, b = parts
+    if a.num_classes != b.num_classes:
+        raise PartitionError(f"this node's data at {cfg.data_root}: its training split has {a.num_classes} classes, "
+                             f"its test split {b.num_classes}; declare them with config key 'classes'")
+    groups = torch.cat([a.groups, b.groups]) if a.groups is not None and b.groups is not None else None
+    return ArrayDataset(torch.cat([a.x, b.x]), torch.cat([a.y, b.y]), a.num_classes, a.name, groups,
+                        a.num_groups if groups is not None else 0)
 
 
 def _num_records(cfg: Config, pid: int) -> int:

@@ -74,7 +74,10 @@ def _progress_display(total: int, stop_requested=lambda: False):
         def say(text: str) -> None:
             print(text, flush=True)
 
-        progress = Progress(on_step=on_step, on_eval=lambda row: say(_eval_line(row)), on_note=say,
+        def on_start(t: int) -> None:  # data loading and setup are not training: the interval starts here
+            last[0] = time.monotonic()
+
+        progress = Progress(on_start=on_start, on_step=on_step, on_eval=lambda row: say(_eval_line(row)), on_note=say,
                             stop_requested=stop_requested)
         return (lambda: None), progress
 

@@ -189,6 +189,13 @@ def audit_specs(slots: int) -> dict[str, AuditSpec]:
         "recursive-spider": AuditSpec({"algorithm": "recursive-spider", "iterations": 2, "q": 2, "epsilon": 12.0,
                                        "refresh-batch": slots, "diff-batch": half, "s-batch": half,
                                        "s-noise-ratio": 1.0}),
+        # group level (ALGORITHMS.md 3.3, 4.3): the K-vector group-loss releases (clip B), the weighted x releases
+        # (weight-after-clip: clip C_x max_k w_k) and the class histogram the group priors come from
+        "dp-double-spider:group": AuditSpec({**spider, "epsilon": 12.0, "dro-level": "group", "psi": "kl",
+                                             "dro-clip": "weight-after-clip", "weight-cap": 2.0}),
+        "recursive-spider:group": AuditSpec({"algorithm": "recursive-spider", "dro-level": "group", "iterations": 2,
+                                             "q": 2, "epsilon": 12.0, "refresh-batch": slots, "diff-batch": half,
+                                             "s-batch": half, "s-noise-ratio": 1.0}),
         "dp-sgd": AuditSpec({"algorithm": "dp-sgd", "iterations": 1, "epsilon": 4.0, "refresh-batch": half}),
         "dp-sgda": AuditSpec({"algorithm": "dp-sgda", "iterations": 1, "epsilon": 8.0, "refresh-batch": half}),
     }
@@ -224,7 +231,7 @@ def release_targets(cfg: Config, n: int, dim: int, num_classes: int) -> list[Tar
 
     out = [Target(q.mechanism, q, True) for stage in setup_releases.stages(cfg, num_classes) for q in stage]
     algo = make_algorithm(cfg, n, dim, num_classes)
-    state = algo.start_state(np.zeros(dim))
+    state = algo.start_state(np.zeros(dim), None, (1.0 / num_classes,) * num_classes)  # public uniform priors
     seen: dict[tuple[str, int], Query] = {}
     for _ in range(4 * max(cfg.q, 2)):
         queries = algo.queries(state)
@@ -409,6 +416,8 @@ DEFAULT_PLAN: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
     ("recursive-spider", "central", (), None),
     ("dp-sgd", "central", (), None),
     ("dp-sgda", "central", (), None),
+    ("dp-double-spider:group", "central", (), None),
+    ("recursive-spider:group", "central", (), None),
     ("dp-double-spider", "distributed", ("x-refresh", "x-diff", "eta-diff"), None),
     ("dp-sgd", "distributed", (), None),
     ("dp-sgd", "local", (), None),

@@ -15,8 +15,10 @@ from dpdro.common.config import Config
 from dpdro.common.messages import Point, Query
 from dpdro.simulations.canary_audit import (
     CANARY_MAGNITUDE,
+    _base_keys,
     _DoubledClipTransport,
     audit_config,
+    audit_specs,
     canary_rows,
     claimed_epsilon,
     clopper_pearson,
@@ -78,6 +80,21 @@ def test_every_mechanism_of_double_spider_is_reached_with_its_setup_releases(tmp
     rs = Config.from_mapping({"algorithm": "recursive-spider", "iterations": 2, "q": 2, "out-dir": str(tmp_path)})
     labels = [t.label for t in release_targets(rs, 2000, 7, 10)]
     assert labels == ["vu-refresh", "s (first)", "vu-diff", "s (STORM)"]
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("dp-double-spider:group", {"class-histogram", "group-refresh", "group-diff", "x-refresh", "x-diff"}),
+    ("recursive-spider:group", {"class-histogram", "group-storm (first)", "group-storm (STORM)", "x-refresh",
+                                "x-diff"})])
+def test_every_group_level_release_is_reached(tmp_path, name, expected):
+    """The group-level configurations' public trajectory reaches every release, the x-refresh of weight-after-clip
+    at its weight bound C_x max_k w_k <= C_x W_cap."""
+    cfg = Config.from_mapping({**_base_keys(tmp_path), **audit_specs(100)[name].keys})
+    targets = release_targets(cfg, 100, 7, 10)
+    assert {t.label for t in targets} == expected
+    x_refresh = next(t.query for t in targets if t.label == "x-refresh")
+    if name.startswith("dp-double-spider"):
+        assert cfg.clip_x <= x_refresh.clip <= cfg.clip_x * cfg.weight_cap
 
 
 def test_doubled_clip_transport_changes_only_the_audited_mechanism():

@@ -602,8 +602,10 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
 
     @property
     def private_eta_init(self) -> bool:
-        """Whether eta starts from the private mean-loss release."""
-        return self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
+        """Whether eta starts from the private mean-loss release. Not at dro-level=group, where eta is solved exactly
+        from the released group losses at every iteration (ALGORITHMS.md 3.3): the release would be unused budget."""
+        return (self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
+                and not self.group_level)
 
     def public_prior(self) -> list[float]:
         """class-prior-values as non-negative floats; raises ConfigError if empty, malformed or all zero."""

@@ -110,22 +110,34 @@ def host_extra_ca_certs() -> str:
     return "".join(p.read_text() for p in sorted(folder.rglob("*.crt"))) if folder.is_dir() else ""
 
 
+def _image_id(image: str, env: dict) -> str:
+    out = subprocess.run(["podman", "image", "inspect", image, "--format", "{{.Id}}"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
 def build_image(project_dir: str | os.PathLike, image: str, base_image: str | None = None,
                 wheels: str = "containers/wheels", extra_ca_certs: str = "", log: Path | None = None,
                 timeout: float = 3600) -> float:
     """``podman build -t IMAGE`` of ./Dockerfile with the build arguments BASE_IMAGE (None: the Dockerfile's
     default, Flower's image), WHEELS and EXTRA_CA_CERTS. Returns the seconds it took; the output goes to
-    ``log``. Raises DeploymentError with the output's tail on failure."""
+    ``log``. The image a rebuild replaces (now untagged) is removed. Raises DeploymentError with the output's
+    tail on failure."""
     cmd = ["podman", "build", "-t", image, "--build-arg", f"WHEELS={wheels}"]
     if base_image:
         cmd += ["--build-arg", f"BASE_IMAGE={base_image}"]
     if extra_ca_certs:
         cmd += ["--build-arg", f"EXTRA_CA_CERTS={extra_ca_certs}"]
+    env = {**os.environ, "CONTAINERS_CONF": os.environ.get(
+        "CONTAINERS_CONF", str(Path(project_dir).resolve() / "containers" / "containers.conf"))}
+    previous = _image_id(image, env)
     t0 = time.monotonic()
-    out = subprocess.run([*cmd, "."], cwd=project_dir, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "CONTAINERS_CONF": os.environ.get(
-                             "CONTAINERS_CONF", str(Path(project_dir).resolve() / "containers" / "containers.conf"))})
+    out = subprocess.run([*cmd, "."], cwd=project_dir, capture_output=True, text=True, timeout=timeout, env=env)
     seconds = time.monotonic() - t0
+    if out.returncode == 0 and previous and previous != _image_id(image, env):
+        # the image this build replaced is now untagged: remove it (and its layers no other image uses), or every
+        # rebuild would keep gigabytes; a container still using it keeps it (then rmi fails, harmlessly)
+        subprocess.run(["podman", "rmi", previous], capture_output=True, timeout=300, env=env)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(out.stdout + out.stderr)

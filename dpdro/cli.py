@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -143,7 +144,13 @@ def _stopped_message(out_dir: str, iteration: int | None = None, iterations: int
     if saved is None:
         return (f"dpdro: stopped {where}, before the first checkpoint: nothing to resume; start again with "
                 f"--overwrite (out-dir {out_dir})")
-    return f"dpdro: stopped {where}; checkpoint at iteration {saved}: resume with  dpdro train --resume {out_dir}"
+    return f"dpdro: stopped {where}; checkpoint at iteration {saved}: resume with {_invoked()} train --resume {out_dir}"
+
+
+def _invoked() -> str:
+    """The dpdro command as the user typed it (e.g. .venv/bin/dpdro when the venv is not on PATH)."""
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else "dpdro"
+    return typed if os.path.basename(typed) == "dpdro" else "dpdro"
 
 
 def _refuse_node_local(cfg: Config) -> None:

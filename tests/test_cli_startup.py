@@ -122,7 +122,7 @@ def test_ctrl_c_stops_with_one_line_and_resume_says_where_it_restarts(tmp_path, 
     assert "Traceback" not in err and "\r" not in out + err
     stop = [ln for ln in err.splitlines() if ln.startswith("dpdro: stopped")]
     assert len(stop) == 1, err
-    m = re.fullmatch(rf"dpdro: stopped at iteration (\d+) of 400; checkpoint at iteration (\d+): resume with  "
+    m = re.fullmatch(rf"dpdro: stopped at iteration (\d+) of 400; checkpoint at iteration (\d+): resume with "
                      rf"dpdro train --resume {re.escape(str(run))}", stop[0])
     assert m and m.group(1) == m.group(2), stop[0]
     stopped = int(m.group(1))
@@ -135,7 +135,7 @@ def test_ctrl_c_stops_with_one_line_and_resume_says_where_it_restarts(tmp_path, 
     got = capsys.readouterr()
     assert f"resuming {run} at iteration {stopped} of 400 (epsilon spent so far " in got.out
     assert got.err.strip().splitlines()[-1] == (f"dpdro: stopped at iteration {stopped + 1} of 400; checkpoint at "
-                                                f"iteration {stopped + 1}: resume with  dpdro train --resume {run}")
+                                                f"iteration {stopped + 1}: resume with dpdro train --resume {run}")
 
 
 @pytest.mark.data

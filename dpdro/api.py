@@ -12,6 +12,7 @@ torch is imported only when ``fit`` runs (``import dpdro`` stays cheap for the C
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -160,6 +161,8 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
     from dpdro.server.model_files import load_model
     from dpdro.server.rundir import check_out_dir
 
+    # dp-accounting's per-order convergence chatter (the CLI silences it too); the user's other loggers stay as set
+    logging.getLogger("absl").setLevel(logging.ERROR)
     cfg = config_of(config)
     if isinstance(model, str):
         cfg = cfg.with_updates({"model": model})

@@ -173,7 +173,7 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
               for c, a in zip(classes, per_class, strict=True)]
     lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     lines += ["", "## Use", "", "```",
-              f"dpdro predict --run {run_dir} --data test      # predictions.csv",
+              f"dpdro predict --run {run_dir} --data test      # predictions_test.csv",
               f"dpdro evaluate --run {run_dir} --data test     # accuracy, worst class, confusion matrix",
               "```", "", "```python", "import dpdro",
               f"model, spec = dpdro.load_model({str(run_dir)!r})   # nn.Module in eval mode, model.json", "```", ""]

@@ -268,6 +268,10 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
             "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
             "input_scaling": input_scaling(test.name),
+            # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
+            # and scaling, class order): what scoring new records by hand needs
+            "preprocessing": {k: v for k, v in cfg.to_dict().items()
+                              if k.startswith(("csv-", "image-")) or k == "classes"},
             "priors": list(setup.priors) if setup.priors is not None else None, "posthoc_tau": cfg.posthoc_tau,
             "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
             "eval_split": cfg.eval_split, "algorithm": cfg.algorithm, "private": cfg.private,

@@ -216,6 +216,8 @@ def test_a_csv_run_names_its_classes_and_evaluate_reports_the_worst_group(tmp_pa
     summary = _cli_train(keys)
     meta = json.load(open(run / "model.json"))
     assert (meta["factory"], meta["classes"], meta["input_shape"]) == ("mlp", ["no", "yes"], [2])
+    # what scoring new rows by hand needs: the declared columns and public bounds, as the run used them
+    assert (meta["preprocessing"]["csv-bounds"], meta["preprocessing"]["csv-group"]) == ("0:10", "site")
     assert isinstance(load_model(run)[0], nn.Module)
     capsys.readouterr()
     assert main(["predict", "--run", str(run)]) == 0

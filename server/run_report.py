@@ -152,8 +152,8 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
              "", "## Data and training", "",
              f"- Data set: {model.get('data', summary['dataset'])}; n = {summary['n']} training records over "
              f"{summary['num_clients']} client(s)",
-             f"- Algorithm: {summary['algorithm']}, {summary['iterations']} iterations, psi {summary['psi']}, "
-             f"lambda {summary['lambda']}, seed {summary['seed']}, transport {summary['transport']}",
+             f"- Algorithm: {summary['algorithm']}, {summary['iterations']} iterations, "
+             + _dro_keys(summary) + f"seed {summary['seed']}, transport {summary['transport']}",
              "", "## Privacy", ""]
     if private:
         lines += [f"- (epsilon, delta) = ({_fmt_eps(summary['epsilon_spent'])}, {summary['delta']:.3g}) spent "
@@ -183,3 +183,12 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
 def write_model_card(run_dir: Path, summary: dict, model: dict, plots: list[str]) -> None:
     """Atomically write ``run_dir``/MODEL_CARD.md (``model_card``)."""
     atomic_write_bytes(Path(run_dir) / MODEL_CARD, model_card(summary, model, plots, str(run_dir)).encode())
+
+
+def _dro_keys(summary: dict) -> str:
+    """'psi P, lambda L, ' for an algorithm that reads them (its AlgorithmSpec), '' otherwise: a card should not
+    list settings the run never used."""
+    from ..common.algorithm_specs import ALGORITHM_SPECS
+
+    keys = ALGORITHM_SPECS[summary["algorithm"]].keys if summary["algorithm"] in ALGORITHM_SPECS else ()
+    return "".join(f"{k} {summary[k]}, " for k in ("psi", "lambda") if k in keys and k in summary)

@@ -144,6 +144,7 @@ def test_every_run_writes_a_model_card_and_plots(finished):
     assert f"Accuracy {acc:.4f}, worst-class accuracy {worst:.4f}" in card
     assert f"({summary['epsilon_spent']:.4g}, {summary['delta']:.3g}) spent of the target epsilon 4" in card
     assert summary["trust_model"] in card and all(item in card for item in summary["not_accounted"])
+    assert f"- Algorithm: dp-sgd, 8 iterations, seed {summary['seed']}," in card  # dp-sgd: no psi, lambda
     for k, a in enumerate(summary["per_class_accuracy"]):
         assert f"| {k} | {a:.4f} |" in card
     for name in ("training_curves.png", "per_class_accuracy.png"):

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .deploy import DeploymentError, RunOutcome
+from .flwr_output import run_status, started_run_id
 
 __all__ = ["APP_IN_IMAGE", "CONNECTION", "IMAGE_UID", "NODE_SERVICES", "OPERATOR_SERVICES", "ComposeDeployment",
            "build_image", "container_problem", "default_compose", "download_torch_wheels", "host_extra_ca_certs",
@@ -290,20 +291,14 @@ class ComposeDeployment:
         """``flwr run APP dpdro --format json --run-config RUN_CONFIG`` (APP: a path inside the image); returns
         the run id. Raises DeploymentError if no run was started."""
         out = self.flwr("run", app, CONNECTION, "--format", "json", "--run-config", run_config)
-        try:
-            return str(json.loads(out.stdout[out.stdout.find("{"):])["run-id"])
-        except (ValueError, KeyError):
-            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
-                                  ) from None
+        run_id = started_run_id(out)
+        if run_id is None:
+            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return run_id
 
     def status(self, run_id: str) -> tuple[str, str]:
         """(status, status-details) of a run from ``flwr ls --run-id``; ('unknown', output) if unreadable."""
-        out = self.flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", timeout=120)
-        try:
-            run = json.loads(out.stdout[out.stdout.find("{"):])["runs"][0]
-            return run["status"], run.get("status-details", "")
-        except (ValueError, KeyError, IndexError):
-            return "unknown", (out.stdout[-500:] + out.stderr[-500:])
+        return run_status(self.flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", timeout=120))
 
     def run(self, run_config: str, timeout: float = 1800, app: str = APP_IN_IMAGE, poll: float = 3.0) -> RunOutcome:
         """Submit and poll ``flwr ls`` until ``finished:*`` or ``timeout`` seconds (then ``flwr stop``, status

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .certs import CertSet, create_certificates
+from .flwr_output import run_status, started_run_id
 from .processes import STOP_GRACE, alive, descendants, listener_pids, stop_on_signals, stop_tree
 
 __all__ = ["CONNECTION", "DeploymentError", "LoopbackDeployment", "RunOutcome", "alive", "deploy_config",
@@ -329,20 +330,14 @@ class LoopbackDeployment:
         if run_config:
             args += ["--run-config", run_config]
         out = self.flwr(*args, timeout=300)
-        try:
-            return str(json.loads(out.stdout)["run-id"])
-        except (ValueError, KeyError):
-            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
-                                  ) from None
+        run_id = started_run_id(out)
+        if run_id is None:
+            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return run_id
 
     def status(self, run_id: str) -> tuple[str, str]:
         """(status, status-details) of a run from ``flwr ls --run-id``; ('unknown', output) if unreadable."""
-        out = self.flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", timeout=60)
-        try:
-            run = json.loads(out.stdout)["runs"][0]
-            return run["status"], run.get("status-details", "")
-        except (ValueError, KeyError, IndexError):
-            return "unknown", (out.stdout[-500:] + out.stderr[-500:])
+        return run_status(self.flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", timeout=60))
 
     def wait(self, run_id: str, timeout: float, stream: bool = False, poll: float = 1.0) -> RunOutcome:
         """Poll the run's status until ``finished:*`` or ``timeout`` seconds (then ``flwr stop`` and status

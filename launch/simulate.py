@@ -18,7 +18,6 @@ process only (stopped at exit).
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 from ..common.config import Config, ConfigError, toml_value
 from ..common.data import pin_data_paths
 from ..server.rundir import RunDir, check_out_dir, read_json
+from .flwr_output import run_status, started_run_id
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
 
 CONNECTION = "dpdro-local"
@@ -150,13 +150,8 @@ atexit.register(stop_local_superlink)
 
 
 def _status(run_id: str, env: dict) -> tuple[str, str]:
-    out = subprocess.run(_flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json"), env=env,
-                         capture_output=True, text=True, timeout=60)
-    try:
-        run = json.loads(out.stdout)["runs"][0]
-        return run["status"], run.get("status-details", "")
-    except (ValueError, KeyError, IndexError):
-        return "unknown", out.stdout[-500:] + out.stderr[-500:]
+    return run_status(subprocess.run(_flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json"), env=env,
+                                     capture_output=True, text=True, timeout=60))
 
 
 def _our_superlink(flwr_home: Path, env: dict) -> LocalSuperLink:
@@ -208,11 +203,9 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
             out = subprocess.run(_flwr("run", str(app_dir), CONNECTION, "--format", "json", "--federation-config",
                                        fed, "--run-config", run_config_string(cfg)),
                                  env=cli_env, capture_output=True, text=True, timeout=300)
-            try:
-                run_id = str(json.loads(out.stdout)["run-id"])
-            except (ValueError, KeyError):
-                raise SimulationError(
-                    f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}") from None
+            run_id = started_run_id(out)
+            if run_id is None:
+                raise SimulationError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
             if stream:
                 log_proc = subprocess.Popen(_flwr("log", run_id, CONNECTION, "--stream"), env=cli_env)
             deadline = time.monotonic() + timeout

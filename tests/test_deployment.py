@@ -503,3 +503,21 @@ def test_sigterm_to_dpdro_deploy_stops_every_child(tmp_path):
 def test_sigterm_to_dpdro_simulate_stops_every_child(tmp_path):
     sets = [f"{k}={v}" for k, v in {**_tiny_run(tmp_path / "run"), "iterations": 50}.items()]
     _sigterm_leaves_nothing(tmp_path, ["simulate", "--quiet", "--set", *sets], busy=("raylet",))
+
+
+def test_flwr_json_output_is_read_alike_by_every_launcher():
+    """launch/flwr_output.py: a run id and a status from flwr's JSON, also after lines the containerised CLI
+    prints first; None / 'unknown' with the output's tails when there is nothing to read."""
+    import subprocess
+
+    from dpdro.launch.flwr_output import run_status, started_run_id
+
+    def out(stdout, stderr=""):
+        return subprocess.CompletedProcess([], 0, stdout, stderr)
+
+    assert started_run_id(out('{"success": true, "run-id": 42}')) == "42"
+    assert started_run_id(out('Loading project configuration...\n{"run-id": 7}')) == "7"
+    assert started_run_id(out("Error: no connection", "boom")) is None
+    runs = '{"runs": [{"status": "finished:completed", "status-details": ""}]}'
+    assert run_status(out(runs)) == ("finished:completed", "")
+    assert run_status(out('{"runs": []}', "err")) == ("unknown", '{"runs": []}err')

@@ -75,8 +75,6 @@ class GroupDro(Algorithm):
     hooks), the weights (``weights``) and the SPIDER x block. Subclasses: ``GroupDoubleSpider``,
     ``GroupRecursiveSpider``."""
 
-    loss_mechanisms: tuple[str, ...] = ()
-
     # ---- what subclasses define ----
     def loss_query(self, state: GroupState) -> Query:
         raise NotImplementedError
@@ -262,12 +260,6 @@ class GroupDoubleSpider(GroupDro):
 
     def dual_init(self) -> float:
         return self.cfg.eta_init
-
-    def start_state(self, x0, eta0=None, priors=None) -> GroupState:
-        state = super().start_state(x0, eta0, priors)
-        if eta0 is not None:
-            state.dual = state.dual_prev = float(eta0)
-        return state
 
     def loss_query(self, state: GroupState) -> Query:
         c, t = self.cfg, state.t

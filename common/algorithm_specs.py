@@ -138,7 +138,7 @@ declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
           "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", "dro-level",
-          "dro-groups", "beta", *_DUAL),
+          "dro-groups", "dro-reference", "beta", *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
@@ -151,8 +151,8 @@ declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
-          "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp", "dro-level", "dro-groups", "dro-clip",
-          "weight-cap"),
+          "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp", "dro-level", "dro-groups",
+          "dro-reference", "dro-clip", "weight-cap"),
     quantities=("kl-vu", "kl-g", "group-loss", "group-weighted-grad"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True),
            "dro-level": _DRO_LEVEL, "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "beta": _BETA,

@@ -283,6 +283,11 @@ FIELDS: tuple[Field, ...] = (
           "data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data set without one "
           "is refused). 'attribute' releases a histogram of the groups before training (prior-noise-multiplier).",
           choices=("class", "attribute"), role="algorithm"),
+    Field("dro-reference", "str", "prior", "Reference distribution r of dro-level=group's psi-divergence "
+          "D_psi(q || r): 'prior' (the group priors pi: the paper's centre, the empirical distribution, so q = pi is "
+          "ERM) or 'uniform' (1/K: the balanced centre, as dp-sgda's KL(p || uniform); q = r weighs every group "
+          "equally). A public choice: the record weights are w_k = r_k v_k / pi_k with v_k = q_k / r_k "
+          "(ALGORITHMS.md 3.3, 4.3).", choices=("prior", "uniform"), role="algorithm"),
     Field("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
           "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
           "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "

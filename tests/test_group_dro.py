@@ -126,6 +126,35 @@ def test_group_recursive_spider_full_batch_is_gradient_descent_on_the_group_kl_o
     np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
 
 
+def test_uniform_reference_is_gradient_descent_on_the_balanced_centre(tmp_path):
+    """dro-reference=uniform: the divergence is taken from r = 1/K, so the ratios v_k = q_k / r_k solve
+    sum_k v_k / K = 1 and the record weights are w_k = v_k / (K pi_k); with a cap on v (DSS) and in RS's
+    normaliser s = sum_k g_k / K and its lambda step."""
+    data = tiny_data()
+    dss = cfg_of(tmp_path / "dss", algorithm="dp-double-spider", psi="kl",
+                 **{"lambda": 0.7, "weight-cap": 1.5, "dro-reference": "uniform"})
+    r = np.full(K, 1.0 / K)
+
+    def dss_step(lk, pi, dual):
+        v, eta = kl_double_spider_weights(dss)(lk, r, dual)
+        return r * v / pi, eta
+
+    expected = reference(data, dss, dss_step, 0.0)
+    np.testing.assert_allclose(train(dss, LocalTransport(dss, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+    rs = cfg_of(tmp_path / "rs", algorithm="recursive-spider",
+                **{"lambda-init": 0.8, "lr-lambda": 0.3, "rho": 0.2, "dro-reference": "uniform"})
+
+    def rs_step(lk, pi, lam):
+        g = np.exp((lk - rs.loss_bound) / lam)
+        s = float(np.dot(r, g))
+        z = math.log(s) + rs.rho + float(np.dot(r * g / s, rs.loss_bound - lk)) / lam
+        return r * (g / s) / pi, min(max(lam - rs.lr_lambda * z, rs.lambda0), rs.lambda_max)
+
+    expected = reference(data, rs, rs_step, rs.lambda_init)
+    np.testing.assert_allclose(train(rs, LocalTransport(rs, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.floats(0.0, 8.0), min_size=2, max_size=6), st.floats(0.2, 3.0), st.floats(0.5, 2.0))
 def test_solve_eta_is_the_kl_dual_optimum(losses, lam, scale):

@@ -1,13 +1,15 @@
 """Group-level DRO in the paper's two frameworks (config dro-level=group; ALGORITHMS.md 3.3 and 4.3).
 
-The uncertainty set is over groups (the K classes) instead of records: with pi the group frequencies and
-l_k(x) the mean loss of group k,
+The uncertainty set is over groups (the K classes) instead of records: with pi the group frequencies, l_k(x) the
+mean loss of group k and r the divergence's reference distribution (dro-reference: r = pi, the paper's centre, the
+empirical distribution; or r uniform, 1/K: the balanced centre, as dp-sgda's),
 
-    F(x) = max_{q in simplex_K} sum_k q_k l_k(x) - lambda D_psi(q || pi)          (dp-double-spider, group)
-    Psi(x, lambda) = lambda log sum_k pi_k exp(l_k(x) / lambda) + lambda rho      (recursive-spider, group)
+    F(x) = max_{q in simplex_K} sum_k q_k l_k(x) - lambda D_psi(q || r)           (dp-double-spider, group)
+    Psi(x, lambda) = lambda log sum_k r_k exp(l_k(x) / lambda) + lambda rho       (recursive-spider, group)
 
-and the gradient in x of either is sum_k pi_k w_k grad l_k(x) = (1/n) sum_i w_{y_i} grad l(x; xi_i) with group
-weights w_k = q_k / pi_k. Each iteration makes two releases in two rounds, both over independent Poisson batches:
+and the gradient in x of either is sum_k q_k grad l_k(x) = (1/n) sum_i w_{y_i} grad l(x; xi_i) with record
+weights w_k = q_k / pi_k = r_k v_k / pi_k, v_k = q_k / r_k the likelihood ratios that the weight cap bounds.
+Each iteration makes two releases in two rounds, both over independent Poisson batches:
 
   stage 0, the group losses at x_t: the K-vector m_k = (1/n) sum_{i in k} min(l_i, B) of group loss sums
      ('group-loss' quantity, e_y min(l, B) per record: one record touches one coordinate, norm <= B).
@@ -19,11 +21,12 @@ weights w_k = q_k / pi_k. Each iteration makes two releases in two rounds, both 
      The group losses are l^_k = min(max(m_k / pi_k, 0), B), pi the class priors of the private histogram
      released (and charged) before training.
   then the weights (public functions of released values only):
-     dp-double-spider: w_k = min(psi*'((l^_k - G eta) / lambda), W_cap) with the dual variable eta solved
-       exactly, sum_k pi_k w_k = 1 (bisection: the left side is non-increasing in eta); the dual's gradient
-       G (1 - sum_k pi_k w_k) is a public function of l^, so no record is touched for eta.
-     recursive-spider: g_k = exp((l^_k - B) / lambda), s = sum_k pi_k g_k, w_k = min(g_k / s, W_cap), and the
-       lambda step z_lambda = log s + rho + sum_k pi_k w_k (B - l^_k) / lambda (the exact d Psi / d lambda).
+     dp-double-spider: v_k = min(psi*'((l^_k - G eta) / lambda), W_cap) with the dual variable eta solved
+       exactly, sum_k r_k v_k = 1 (bisection: the left side is non-increasing in eta); the dual's gradient
+       G (1 - sum_k r_k v_k) is a public function of l^, so no record is touched for eta.
+     recursive-spider: g_k = exp((l^_k - B) / lambda), s = sum_k r_k g_k, v_k = min(g_k / s, W_cap), and the
+       lambda step z_lambda = log s + rho + sum_k r_k v_k (B - l^_k) / lambda (the exact d Psi / d lambda).
+     The record weights are w_k = r_k v_k / pi_k (= v_k when r = pi).
   stage 1, the model: SPIDER over the weighted gradient, 'x-refresh' (t mod q == 0) or 'x-diff', with the public
      weights of each point ('group-weighted-grad'): dro-clip=product clips w_y grad l at clip-x (sensitivity
      clip-x); dro-clip=weight-after-clip sends w_y clip_{C_x}(grad l), sensitivity C_x max_k w_k (clipped there
@@ -55,7 +58,8 @@ class GroupState(State):
     """x, x_prev: (d,) float64 iterates; b: (d,) SPIDER estimate of the weighted gradient; m: (K,) estimate of the
     group loss sums (per n); m_avg: (K,) its exponential average (dp-double-spider); pi: (K,) group priors (the
     released histogram); w, w_prev: (K,) group weights used at x_t and x_{t-1}; dual: eta (dp-double-spider) or
-    lambda (recursive-spider); dual_prev: its previous value; s: the released g estimate (recursive-spider)."""
+    lambda (recursive-spider); dual_prev: its previous value; s: the released g estimate (recursive-spider);
+    ref: (K,) the divergence's reference distribution r (pi, or uniform 1/K; dro-reference)."""
 
     x: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     x_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
@@ -68,6 +72,7 @@ class GroupState(State):
     dual: float = 0.0
     dual_prev: float = 0.0
     s: float = 1.0
+    ref: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
 class GroupDro(Algorithm):
@@ -128,7 +133,7 @@ class GroupDro(Algorithm):
         uniform = np.full(k, 1.0 / k)
         return GroupState(x=x0.copy(), x_prev=x0.copy(), b=np.zeros_like(x0), m=np.zeros(k), m_avg=np.zeros(k),
                           pi=uniform, w=np.ones(k), w_prev=np.ones(k), dual=self.dual_init(),
-                          dual_prev=self.dual_init())
+                          dual_prev=self.dual_init(), ref=uniform.copy())
 
     def start_state(self, x0: np.ndarray, eta0: float | None = None,
                     priors: tuple[float, ...] | None = None) -> GroupState:
@@ -138,6 +143,8 @@ class GroupDro(Algorithm):
             raise ValueError(f"dro-level=group needs the {self.k} group priors of the setup release, got {priors!r}")
         state = self.init_state(x0)
         state.pi = np.asarray(priors, dtype=np.float64)
+        if self.cfg.dro_reference == "prior":
+            state.ref = state.pi.copy()
         return state
 
     def versions(self, state: GroupState) -> dict[int, np.ndarray]:
@@ -146,6 +153,12 @@ class GroupDro(Algorithm):
     def group_losses(self, state: GroupState, m: np.ndarray) -> np.ndarray:
         """l^_k = min(max(m_k / pi_k, 0), B) (K,): post-processing of the released sums and priors."""
         return np.clip(m / state.pi, 0.0, self.cfg.loss_bound)
+
+    @staticmethod
+    def record_weights(state: GroupState, v: np.ndarray) -> np.ndarray:
+        """The record weights w_k = r_k v_k / pi_k (K,) from the ratios v_k = q_k / r_k: the gradient
+        sum_k q_k grad l_k is (1/n) sum_i w_{y_i} grad l_i (ALGORITHMS.md 3.3). w = v when r = pi."""
+        return state.ref * v / state.pi
 
     def _weight_clip(self, w: np.ndarray) -> float:
         return self.cfg.clip_x * float(np.max(w)) if self.weight_after_clip else self.cfg.clip_x
@@ -282,9 +295,9 @@ class GroupDoubleSpider(GroupDro):
         c = self.cfg
         psi = make_psi(c.psi, c.cvar_alpha)
         cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
-        eta = solve_eta(losses, state.pi, psi, c.lambda_, c.eta_scale, cap)
-        w = psi.weight(torch.as_tensor((losses - c.eta_scale * eta) / c.lambda_, dtype=torch.float64)).numpy()
-        return np.minimum(w, cap), eta
+        eta = solve_eta(losses, state.ref, psi, c.lambda_, c.eta_scale, cap)
+        v = psi.weight(torch.as_tensor((losses - c.eta_scale * eta) / c.lambda_, dtype=torch.float64)).numpy()
+        return self.record_weights(state, np.minimum(v, cap)), eta
 
 
 class GroupRecursiveSpider(GroupDro):
@@ -330,10 +343,10 @@ class GroupRecursiveSpider(GroupDro):
     def weights(self, state, losses):
         c, lam = self.cfg, state.dual
         g = np.exp((losses - c.loss_bound) / lam)
-        s = float(np.dot(state.pi, g))
-        w = g / s
-        z_lam = math.log(s) + c.rho + float(np.dot(state.pi * w, c.loss_bound - losses)) / lam
+        s = float(np.dot(state.ref, g))
+        v = g / s
+        z_lam = math.log(s) + c.rho + float(np.dot(state.ref * v, c.loss_bound - losses)) / lam
         state.s = s
         new_lam = min(max(lam - c.lr_lambda * z_lam, c.lambda0), c.lambda_max)
         cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
-        return np.minimum(w, cap), new_lam
+        return self.record_weights(state, np.minimum(v, cap)), new_lam

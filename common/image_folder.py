@@ -17,11 +17,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .data_types import DataError, LoadedSplit, declared_classes, user_test_split
+
+if TYPE_CHECKING:  # torch is imported where tensors are built (config validation stays free of it)
+    import torch
 
 KEYS = ("classes", "image-size", "image-channels", "image-mean", "image-std")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
@@ -172,3 +175,68 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
         mean, std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in norm)
         images = (images.to(torch.float32) / 255.0 - mean) / std
     return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0, tuple(classes))
+
+
+def _visible(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(image files, sub-folders) directly in ``folder``, hidden ones skipped, sorted by name."""
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    return ([p for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS],
+            [p for p in entries if p.is_dir()])
+
+
+def read_for_prediction(path: Path, options: Mapping[str, Any], classes: list[str],
+                        ) -> tuple[torch.Tensor, np.ndarray | None, list[str]]:
+    """Images to score with a trained model, converted and scaled exactly as in training (image-channels,
+    image-size, image-mean / image-std of the run): (inputs (N, C, S, S), labels int64 (N,) indices into
+    ``classes`` or None, source of each image (its path relative to ``path``)).
+
+    ``path``: one image file; a folder of images (no sub-folders: unlabelled); or a folder of class sub-folders
+    (``<class>/<image>``: labelled, every image). Raises DataError naming the path for a missing path, a file that
+    is not an image, a folder with both images and sub-folders or with neither, a class folder that is not one of
+    ``classes``, and an unreadable image."""
+    import torch
+
+    channels, size = options["image-channels"], options["image-size"]
+    if path.is_file():
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            raise DataError(f"{path} is not an image: expected a file ending in {', '.join(IMAGE_EXTENSIONS)}, or "
+                            "a folder of them")
+        files, labels, root = [path], None, path.parent
+    elif path.is_dir():
+        images, subs = _visible(path)
+        if images and subs:
+            raise DataError(f"{path} holds both images ({images[0].name}, ...) and sub-folders ({subs[0].name}, "
+                            "...): expected either images only (unlabelled) or class sub-folders only "
+                            "(<class>/<image>, labelled)")
+        if not images and not subs:
+            raise DataError(f"{path} holds no images: expected files ending in {', '.join(IMAGE_EXTENSIONS)} or "
+                            "class sub-folders of them")
+        files, labels, root = images, None, path
+        if subs:
+            files, labels = [], []
+            for sub in subs:
+                if sub.name not in classes:
+                    raise DataError(f"class folder {sub} is not one of the model's classes ({', '.join(classes)}): "
+                                    "expected <class>/<image> with the class names of model.json, or a folder of "
+                                    "images without sub-folders (unlabelled)")
+                found = image_files(sub)
+                files += found
+                labels += [classes.index(sub.name)] * len(found)
+    else:
+        raise DataError(f"{path} not found: expected an image, a folder of images, or a folder of class "
+                        "sub-folders")
+    arrays = [_decode(f, channels, size) for f in files]
+    for f, a in zip(files, arrays, strict=True):
+        if a.shape != arrays[0].shape:
+            raise DataError(f"image {f} is {a.shape[2]}x{a.shape[1]}, the first image {arrays[0].shape[2]}x"
+                            f"{arrays[0].shape[1]}: the run used image-size=0 (no resizing), so every image must "
+                            "have one size")
+    x = torch.from_numpy(np.stack(arrays))
+    norm = normalisation(options)
+    if norm is None:
+        x = x.to(torch.float32) / 255.0 * 2.0 - 1.0  # the built-ins' fixed map (common.data._to_float)
+    else:
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in norm)
+        x = (x.to(torch.float32) / 255.0 - mean) / std
+    return x, None if labels is None else np.asarray(labels, dtype=np.int64), \
+        [str(f.relative_to(root)) for f in files]

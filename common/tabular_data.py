@@ -117,6 +117,56 @@ def _index(values: list[str], names: list[str], path: Path, rows: range, what: s
     return out
 
 
+def feature_names(header: list[str], options: Mapping[str, Any], path: Path) -> list[str]:
+    """The feature columns: config key csv-features, or every column of ``header`` but the label and group
+    columns. DataError naming the file when there is none or a named one is missing."""
+    label, group = options["csv-label"].strip(), options["csv-group"].strip()
+    names = [c.strip() for c in options["csv-features"].split(",")] if options["csv-features"].strip() else \
+        [c for c in header if c not in (label, group)]
+    if not names:
+        raise DataError(f"{path}: no feature column (the header has only {', '.join(header)})")
+    for n in names:
+        _column(header, n, path, "csv-features")
+    return names
+
+
+def scaled_features(path: Path, header: list[str], rows: list[list[str]], keep, names: list[str],
+                    bounds: str) -> np.ndarray:
+    """Float64 (len(keep), F) features of the rows at positions ``keep`` (file line = position + 2), columns
+    ``names``, clipped to the declared public ``bounds`` (config key csv-bounds) and scaled to [-1, 1]. Raises
+    DataError naming the file, the line and the column for a row of the wrong length or a non-numeric or
+    non-finite cell, and the key for bounds that do not cover the features."""
+    fi = [_column(header, n, path, "csv-features") for n in names]
+    default, named = parse_bounds(bounds)
+    unknown = sorted(set(named) - set(names))
+    if unknown:
+        raise DataError(f"config key 'csv-bounds' names {', '.join(unknown)}, which are not feature columns of "
+                        f"{path} ({', '.join(names)})")
+    missing = [n for n in names if n not in named and default is None]
+    if missing:
+        raise DataError(f"config key 'csv-bounds': no range for feature column(s) {', '.join(missing)} of {path}; "
+                        "add 'name=lo:hi' for each, or a range 'lo:hi' for all")
+    lo = np.array([named.get(n, default)[0] for n in names])
+    hi = np.array([named.get(n, default)[1] for n in names])
+    x = np.empty((len(keep), len(names)), dtype=np.float64)
+    for j, i in enumerate(keep):
+        row, line = rows[i], int(i) + 2
+        if len(row) != len(header):
+            raise DataError(f"{path}, line {line}: {len(row)} cells; expected {len(header)} (one per column of the "
+                            "header)")
+        for k, (c, n) in enumerate(zip(fi, names, strict=True)):
+            try:
+                v = float(row[c])
+            except ValueError:
+                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a number; feature columns "
+                                "must be numeric (encode categories as numbers first, or leave the column out: "
+                                "csv-features, csv-group)") from None
+            if not math.isfinite(v):
+                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a finite number")
+            x[j, k] = v
+    return 2.0 * (np.clip(x, lo, hi) - lo) / (hi - lo) - 1.0
+
+
 def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
          options: Mapping[str, Any]) -> LoadedSplit:
     """The 'train' or 'test' split: features float32 (N, F) in [-1, 1], labels int64 (N,), groups int64 (N,) or
@@ -144,39 +194,8 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
         keep = np.arange(len(rows))
     li = _column(header, label, path, "csv-label")
     gi = _column(header, group, path, "csv-group") if group else None
-    names = [c.strip() for c in options["csv-features"].split(",")] if options["csv-features"].strip() else \
-        [c for c in header if c not in (label, group)]
-    if not names:
-        raise DataError(f"{path}: no feature column (the header has only {', '.join(header)})")
-    fi = [_column(header, n, path, "csv-features") for n in names]
-    default, named = parse_bounds(options["csv-bounds"])
-    unknown = sorted(set(named) - set(names))
-    if unknown:
-        raise DataError(f"config key 'csv-bounds' names {', '.join(unknown)}, which are not feature columns of "
-                        f"{path} ({', '.join(names)})")
-    missing = [n for n in names if n not in named and default is None]
-    if missing:
-        raise DataError(f"config key 'csv-bounds': no range for feature column(s) {', '.join(missing)} of {path}; "
-                        "add 'name=lo:hi' for each, or a range 'lo:hi' for all")
-    lo = np.array([named.get(n, default)[0] for n in names])
-    hi = np.array([named.get(n, default)[1] for n in names])
-    x = np.empty((len(keep), len(names)), dtype=np.float64)
-    for j, i in enumerate(keep):
-        row, line = rows[i], int(i) + 2
-        if len(row) != len(header):
-            raise DataError(f"{path}, line {line}: {len(row)} cells; expected {len(header)} (one per column of the "
-                            "header)")
-        for k, (c, n) in enumerate(zip(fi, names, strict=True)):
-            try:
-                v = float(row[c])
-            except ValueError:
-                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a number; feature columns "
-                                "must be numeric (encode categories as numbers first, or leave the column out: "
-                                "csv-features, csv-group)") from None
-            if not math.isfinite(v):
-                raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a finite number")
-            x[j, k] = v
-    scaled = 2.0 * (np.clip(x, lo, hi) - lo) / (hi - lo) - 1.0
+    names = feature_names(header, options, path)
+    scaled = scaled_features(path, header, rows, keep, names, options["csv-bounds"])
     lines = [int(i) + 2 for i in keep]
     y = _index([rows[i][li].strip() for i in keep], classes, path, lines, "label", class_source)
     g = None
@@ -185,3 +204,46 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
                                     f"groups of the training file {train_path.name}"))
     return LoadedSplit(torch.from_numpy(scaled.astype(np.float32)), torch.from_numpy(y), g, len(classes),
                        len(groups_names), tuple(classes))
+
+
+def training_feature_names(data_root: Path, options: Mapping[str, Any]) -> list[str] | None:
+    """The feature columns of the training file of ``data_root``, in model-input order (for model.json, so that
+    other files are read in that order), or None when that file cannot be read here (e.g. a server without it)."""
+    try:
+        path = files(data_root)[0]
+        return feature_names(read_table(path)[0], options, path)
+    except DataError:
+        return None
+
+
+def read_file_records(path: Path, options: Mapping[str, Any], classes: list[str], names: list[str] | None,
+                      ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int, list[int]]:
+    """Every row of the CSV file ``path`` as model inputs, for prediction with a trained model: (features float32
+    (N, F) scaled as in training, labels int64 (N,) indices into ``classes`` or None when the file has no label
+    column (config key csv-label), groups int64 (N,) or None (indices into the file's own sorted group names),
+    number of groups, file line of every row). ``names``: the training feature columns (model.json), else
+    csv-features or every column but the label and group. Raises DataError naming the file, the line and the
+    column (a missing feature column, a non-numeric cell, a label outside ``classes``)."""
+    header, rows = read_table(path)
+    label, group = options["csv-label"].strip(), options["csv-group"].strip()
+    if not rows:
+        raise DataError(f"{path} has a header but no records: expected one record a line after the header")
+    names = names or feature_names(header, options, path)
+    for n in names:
+        if n not in header:
+            raise DataError(f"{path}: no feature column {n!r}; the model was trained on the columns "
+                            f"{', '.join(names)} and the header has: {', '.join(header)}")
+    keep = np.arange(len(rows))
+    x = scaled_features(path, header, rows, keep, names, options["csv-bounds"]).astype(np.float32)
+    lines = [int(i) + 2 for i in keep]
+    y = None
+    if label in header:
+        li = header.index(label)
+        y = _index([r[li].strip() for r in rows], classes, path, lines, "label", "classes of the model")
+    g, num_groups = None, 0
+    if group and group in header:
+        gi = header.index(group)
+        group_names = natural_order(r[gi].strip() for r in rows)
+        g, num_groups = _index([r[gi].strip() for r in rows], group_names, path, lines, "group", "groups"), \
+            len(group_names)
+    return x, y, g, num_groups, lines

@@ -6,13 +6,14 @@ import downward (docs/DEVELOPING.md; tests/test_architecture.py checks it):
 (algorithms, privacy ledger, engine) and ``dpdro.client`` (the work of a node, the in-process transport) <- their
 ``flower`` sub-packages (ServerApp, ClientApp, SecAgg+) <- ``dpdro.launch`` (flwr run, deployment, certificates)
 <- ``dpdro.simulations`` (experiments, measurements) <- ``dpdro.cli`` and the Python API ``dpdro.api``
-(``dpdro.fit``, ``dpdro.records``, ``dpdro.load_model``; imported when first used, so ``import dpdro`` and the
-CLI's start-up stay free of torch).
+(``dpdro.fit``, ``dpdro.records``, ``dpdro.load_model``, ``dpdro.predict``, ``dpdro.evaluate``; imported when
+first used, so ``import dpdro`` and the CLI's start-up stay free of torch).
 """
 
 __version__ = "0.1.0"
 
-_API = {"fit": "dpdro.api", "records": "dpdro.api", "FitResult": "dpdro.api", "load_model": "dpdro.server.model_files"}
+_API = {"fit": "dpdro.api", "records": "dpdro.api", "FitResult": "dpdro.api", "load_model": "dpdro.server.model_files",
+        "predict": "dpdro.server.prediction", "evaluate": "dpdro.server.prediction"}
 
 
 def __getattr__(name: str):

@@ -191,13 +191,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from dpdro.server.prediction import data_label, predict, write_predictions_csv
+    from dpdro.server.prediction import accuracy, data_label, predict, write_predictions_csv
 
     p = predict(args.run, args.data, parse_set_args(args.set or []))
     out = Path(args.out) if args.out else Path(args.run) / f"predictions_{data_label(args.data)}.csv"
     write_predictions_csv(p, out)
-    print(f"{len(p.predicted)} predictions ({args.data}, accuracy {float((p.predicted == p.labels).mean()):.4f} "
-          f"against its labels) written to {out}")
+    acc = accuracy(p)
+    print(f"{len(p.predicted)} predictions ({args.data}, "
+          + ("unlabelled" if acc is None else f"accuracy {acc:.4f} against its labels") + f") written to {out}")
     return 0
 
 
@@ -284,6 +285,14 @@ def _own_children():
     return scope()
 
 
+def app_dir(value: str | None) -> Path:
+    """The Flower app directory: ``value`` (--app), or by default the dpdro checkout this command runs from (its
+    pyproject.toml declares the app), so that simulate and deploy work from any folder (a user's data folder)."""
+    if value is not None:
+        return Path(value)
+    return Path(__file__).resolve().parent.parent
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dpdro.launch.simulate import run_simulation
 
@@ -293,7 +302,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_device(cfg.device)  # the simulated clients compute on this machine
     _refuse_node_local(cfg)  # before any process starts
     with _own_children():
-        summary = run_simulation(cfg, app_dir=Path(args.app), stream=not args.quiet)
+        summary = run_simulation(cfg, app_dir=app_dir(args.app), stream=not args.quiet)
     _print_summary(summary, cfg.out_dir)
     return 0
 
@@ -362,7 +371,7 @@ def cmd_hazards(args: argparse.Namespace) -> int:
 def cmd_noise_modes(args: argparse.Namespace) -> int:
     from dpdro.simulations.noise_modes import run_noise_modes
 
-    path = run_noise_modes(args.iterations, Path(args.root), Path(args.docs), Path(args.app), args.seed)
+    path = run_noise_modes(args.iterations, Path(args.root), Path(args.docs), app_dir(args.app), args.seed)
     print(path.read_text())
     return 0
 
@@ -382,7 +391,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     opts = BenchOptions(quick=args.quick, device=args.device, threads=args.threads, batch=args.batch,
                         chunk_size=args.chunk_size, repeats=args.repeats, flower=not args.no_flower,
-                        doc=None if args.no_doc else args.doc, app_dir=args.app)
+                        doc=None if args.no_doc else args.doc, app_dir=app_dir(args.app))
     run_bench(opts)
     if opts.doc:
         print(f"written: {opts.doc}")
@@ -420,7 +429,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         cfg = cfg.with_updates({"num-clients": args.nodes})
     try:
         with _own_children():
-            summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=args.app,
+            summary, outcome = deploy_config(cfg, args.nodes, args.work_dir, app_dir=app_dir(args.app),
                                              stream=not args.quiet, superlink_port=args.superlink_port,
                                              supernode_port=args.supernode_port, fleet_port=args.fleet_port,
                                              node_data_roots=args.node_data_root)
@@ -494,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             s.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its saved config")
         else:
-            s.add_argument("--app", default=".", help="Flower app directory (the project root)")
+            s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout)")
             s.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     s = sub.add_parser("plan", help="print the releases, sampling rates, calibrated noise multipliers and planned "
                        "epsilon of a configuration, without training")
@@ -507,7 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
         s.add_argument("--data", default="test", help="'test' (the split the run evaluated on), 'train', "
-                       "'validation', or a data-root folder/file in the run's data set layout (its test split)")
+                       "'validation'; records of your own: for a csv run a .csv file (every row, the label column "
+                       "optional), for an image-folder run an image, a folder of images (unlabelled) or of class "
+                       "sub-folders (labelled); or a data root in the run's data set layout (its test split)")
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
         s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
                                      "RUN_DIR/plots/confusion_<data>.png for evaluate)")
@@ -582,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--root", default="runs/noise-modes")
     s.add_argument("--docs", default="docs")
-    s.add_argument("--app", default=".", help="Flower app directory (the project root)")
+    s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout)")
     s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")
     s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
     s.add_argument("--root", default="runs/equivalence")
@@ -597,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-flower", action="store_true", help="skip (d), the Flower simulation")
     s.add_argument("--doc", default="docs/PERFORMANCE.md", help="generated Markdown (and .json beside it)")
     s.add_argument("--no-doc", action="store_true", help="print only, write no document")
-    s.add_argument("--app", default=".", help="Flower app directory (the project root) for (d)")
+    s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout) for (d)")
     s = sub.add_parser("certs", help="create TLS certificates and SuperNode authentication keys (no openssl)")
     csub = s.add_subparsers(dest="certs_command", required=True)
     c = csub.add_parser("create", help="CA, SuperLink certificate and one key pair per SuperNode")
@@ -627,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fleet-port", type=int, default=None,
                    help="port of the Fleet-only gateway the SuperNodes use; default: first free from 19092")
     s.add_argument("--supernode-port", type=int, default=None, help="first SuperNode port (default: from 19094)")
-    s.add_argument("--app", default=".", help="Flower app directory (the project root)")
+    s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout)")
     s.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     return p
 
@@ -666,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - CLI boundary: one clear line, traceback only with -v logging
         known = (_loaded("dpdro.common.models", "ModelError") + _loaded("dpdro.server.engine", "ResumeError")
                  + _loaded("dpdro.server.ledger", "PrivacyBudgetExceeded")
-                 + _loaded("dpdro.server.rundir", "RunFileError"))
+                 + _loaded("dpdro.server.rundir", "RunFileError")
+                 + _loaded("dpdro.launch.simulate", "SimulationError"))
         if isinstance(e, known):
             print(f"dpdro: error: {e}", file=sys.stderr)
             return 2

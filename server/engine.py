@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ..common.config import AUTO, Config, ConfigError, keys_with_role
-from ..common.data import ArrayDataset
+from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
+from ..common.tabular_data import training_feature_names
 from ..common.transport import Transport
 from . import setup as setup_releases
 from .algorithms import make_algorithm
@@ -276,6 +277,10 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
             "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
             "eval_split": cfg.eval_split, "algorithm": cfg.algorithm, "private": cfg.private,
             "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"]}
+    if cfg.dataset == "csv":  # the training file's feature columns in input order: other files are read by name
+        names = training_feature_names(resolve_data_root(cfg.data_root), cfg.to_dict())
+        if names is not None and len(names) == int(test.x.shape[1]):
+            meta["feature_names"] = names
     write_model_files(rd.path, state_dict_at(model.module, params), meta)
     plots = write_run_plots(rd.path, rows, summary, classes)
     write_model_card(rd.path, summary, meta, plots)

@@ -1,11 +1,20 @@
-"""Using a finished run's model on data (``dpdro predict`` and ``dpdro evaluate``): predictions as CSV, and
-accuracy, per-class and worst-class (or worst-group) accuracy with a confusion matrix.
+"""Using a finished run's model on data (``dpdro predict`` and ``dpdro evaluate``, ``dpdro.predict`` and
+``dpdro.evaluate``): predictions as CSV, and accuracy, per-class and worst-class (or worst-group) accuracy with a
+confusion matrix.
 
-Which data: ``data`` is 'test', 'train' or 'validation', the split of the run's own configuration (its data
-set, data-root and max-*-records: 'test' is exactly the split the run evaluated on, so the accuracy it gives is
-the run's reported one), or a path, which replaces the run's data-root (a folder or file in the layout of the
-run's data set) and reads its test split. ``overrides`` are further data keys (role 'data' of the
-configuration schema, e.g. max-test-records=0 for the whole test split).
+Which data (``data``):
+- 'test', 'train' or 'validation': the split of the run's own configuration (its data set, data-root and
+  max-*-records): 'test' is exactly the split the run evaluated on, so the accuracy it gives is the run's reported
+  one;
+- records of your own to score, labelled or not (``RECORD_INPUTS``): for a dataset=csv run one CSV file, every
+  row of it, read with the run's columns and public bounds, the label column optional; for a dataset=image-folder
+  run one image, a folder of images (unlabelled) or a folder of class sub-folders (labelled, every image),
+  converted as in training;
+- any other path: a data root in the layout of the run's data set (a folder holding train/ test/ or train.csv
+  test.csv, or a built-in data set's folder), which replaces the run's data-root; its test split is read;
+- an ``ArrayDataset`` (Python: ``dpdro.records(x, y, K)``), e.g. for a run of ``dpdro.fit(data=...)``.
+``overrides`` are further data keys (role 'data' of the configuration schema, e.g. max-test-records=0).
+Unlabelled records can be predicted, not evaluated.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
-from ..common.config import ConfigError, keys_with_role
-from ..common.data import ArrayDataset, load_from_config
+from ..common import image_folder, tabular_data
+from ..common.config import Config, ConfigError, keys_with_role
+from ..common.data import ArrayDataset, DataError, load_from_config
 from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
@@ -27,72 +38,149 @@ from .run_report import confusion_matrix, plot_confusion
 from .rundir import atomic_write_bytes
 
 SPLITS = {"test": "test", "train": "train", "validation": "val"}
+# What a path may be besides a data root, per data set of the run: records of your own, read in full.
+RECORD_INPUTS = {"csv": "a .csv file (every row; the label column optional)",
+                 "image-folder": "an image, a folder of images (unlabelled) or of class sub-folders (labelled)"}
+
+
+@dataclass(frozen=True)
+class Records:
+    """Model inputs x (N, *input shape) float32; labels (N,) int64 or None (unlabelled); groups (N,) int64 or
+    None and their number; sources: where each record came from (a file's line, an image's path) or None."""
+
+    x: torch.Tensor
+    labels: np.ndarray | None
+    groups: np.ndarray | None = None
+    num_groups: int = 0
+    sources: list[str] | None = None
 
 
 @dataclass(frozen=True)
 class Predictions:
-    """Predicted classes (N,) int64, labels (N,) int64, the adjusted logits' softmax (N, K) float64, group
-    labels (N,) or None, and the ModelSpec and data set they came from."""
+    """Predicted classes (N,) int64, labels (N,) int64 or None (unlabelled records), the adjusted logits'
+    softmax (N, K) float64, group labels (N,) or None, the source of each record (or None), and the ModelSpec."""
 
     predicted: np.ndarray
-    labels: np.ndarray
+    labels: np.ndarray | None
     scores: np.ndarray
     groups: np.ndarray | None
     num_groups: int
     spec: ModelSpec
-    data: ArrayDataset
+    sources: list[str] | None = None
 
 
-def data_label(data: str) -> str:
+def data_label(data) -> str:
     """A short file-name-safe label of a ``data`` argument: the split name, or the path's stem."""
+    if isinstance(data, ArrayDataset):
+        return "records"
     return data if data in SPLITS else (Path(data).stem or "data")
 
 
-def load_data(run_dir: str | Path, data: str = "test", overrides: dict | None = None) -> ArrayDataset:
-    """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
-    override that is not a data key or a bad value, DataError when the files are missing or malformed."""
+def _run_config(run_dir: str | Path, overrides: dict | None) -> Config:
     overrides = dict(overrides or {})
     data_keys = set(keys_with_role("data"))
     for key in overrides:
         if key not in data_keys:
             raise ConfigError(f"--set {key}: only data keys may change for prediction; allowed: "
                               f"{', '.join(sorted(data_keys))}")
-    if data not in SPLITS:
-        overrides["data-root"] = str(Path(data).expanduser())
-    cfg = load_run_config(str(run_dir)).with_updates(overrides) if overrides else load_run_config(str(run_dir))
-    return load_from_config(cfg, SPLITS.get(data, "test"))
+    cfg = load_run_config(str(run_dir))
+    return cfg.with_updates(overrides) if overrides else cfg
 
 
-def predict(run_dir: str | Path, data: str = "test", overrides: dict | None = None) -> Predictions:
-    """Predictions of the run's model (model.pt built from model.json) on ``data``, with the run's post-hoc
-    logit adjustment; the same batches as the run's evaluation, hence the same predictions."""
-    module, spec = load_model(run_dir)
-    ds = load_data(run_dir, data, overrides)
-    if list(ds.x.shape[1:]) != spec.input_shape:
-        raise ConfigError(f"data {data!r}: records of shape {tuple(ds.x.shape[1:])}, the model takes "
-                          f"{tuple(spec.input_shape)}")
-    logits = predict_logits(module, ds.x, spec.torch_dtype)
+def _is_data_root(cfg: Config, path: Path) -> bool:
+    """Whether ``path`` is a data root of the run's data set rather than records to score (RECORD_INPUTS)."""
+    if cfg.dataset == "csv":
+        return path.is_dir()
+    if cfg.dataset == "image-folder":
+        return path.is_dir() and any((path / s).is_dir() for s in ("train", "test"))
+    return True
+
+
+def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, spec: ModelSpec | None = None,
+              ) -> Records:
+    """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
+    override that is not a data key or a bad value, DataError naming the file, line or folder when the files are
+    missing or malformed."""
+    if isinstance(data, ArrayDataset):
+        return Records(data.x, data.y.numpy(), None if data.groups is None else data.groups.numpy(),
+                       data.num_groups)
+    if not isinstance(data, (str, Path)):
+        raise ValueError(f"data must be 'test', 'train', 'validation', a path or dpdro.records(...); got "
+                         f"{type(data).__name__}")
+    cfg = _run_config(run_dir, overrides)
+    if str(data) in SPLITS:
+        ds = load_from_config(cfg, SPLITS[str(data)])
+        return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"--data {data}: {path} not found; expected 'test', 'train', 'validation'"
+                        + (f", {RECORD_INPUTS[cfg.dataset]}" if cfg.dataset in RECORD_INPUTS else "")
+                        + f" or a data root of data set {cfg.dataset!r}")
+    if _is_data_root(cfg, path):
+        ds = load_from_config(cfg.with_updates({"data-root": str(path)}), "test")
+        return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
+    spec = spec or _spec(run_dir)
+    options = cfg.to_dict()
+    if cfg.dataset == "csv":
+        names = spec.raw.get("feature_names")
+        x, y, g, num_groups, lines = tabular_data.read_file_records(path, options, spec.classes, names)
+        return Records(torch.from_numpy(x), y, g, num_groups, [f"{path.name}:{line}" for line in lines])
+    x, y, sources = image_folder.read_for_prediction(path, options, spec.classes)
+    return Records(x, y, sources=sources)
+
+
+def _spec(run_dir):
+    from .model_files import read_model_spec
+
+    return read_model_spec(run_dir)
+
+
+def predict(run_dir: str | Path, data="test", overrides: dict | None = None, *,
+            module: nn.Module | None = None) -> Predictions:
+    """Predictions of the run's model (model.pt built from model.json, or loaded into ``module``: needed for a
+    run of ``dpdro.fit`` with a module object) on ``data`` (module docstring), with the run's post-hoc logit
+    adjustment; for the run's own splits the same batches as its evaluation, hence the same predictions.
+    Raises ConfigError, DataError (naming the file, line or folder), RunFileError (missing model files)."""
+    model, spec = load_model(run_dir, module=module)
+    records = load_data(run_dir, data, overrides, spec)
+    if list(records.x.shape[1:]) != spec.input_shape:
+        raise DataError(f"data {data_label(data)!r}: records of shape {tuple(records.x.shape[1:])}, the model "
+                        f"takes {tuple(spec.input_shape)}")
+    logits = predict_logits(model, records.x, spec.torch_dtype)
     shift = spec.prediction_shift
     adjusted = logits if shift is None else logits + torch.as_tensor(shift).to(logits.dtype)
-    return Predictions(predict_classes(logits, shift), ds.y.numpy(), torch.softmax(adjusted.double(), 1).numpy(),
-                       None if ds.groups is None else ds.groups.numpy(), ds.num_groups, spec, ds)
+    return Predictions(predict_classes(logits, shift), records.labels,
+                       torch.softmax(adjusted.double(), 1).numpy(), records.groups, records.num_groups, spec,
+                       records.sources)
+
+
+def accuracy(p: Predictions) -> float | None:
+    """Fraction of correct predictions, or None for unlabelled records."""
+    return None if p.labels is None else float((p.predicted == p.labels).mean())
 
 
 def write_predictions_csv(p: Predictions, path: Path) -> None:
-    """Atomically write one row per record: index, label, predicted (class index), predicted_class (name) and
-    score_<class> (softmax of the adjusted logits, whose argmax is the prediction)."""
+    """Atomically write one row per record: index, source (file line or image path, for records read from your
+    own files), label (class index; only for labelled records), predicted (class index), predicted_class (name)
+    and score_<class> (softmax of the adjusted logits, whose argmax is the prediction)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["index", "label", "predicted", "predicted_class"] + [f"score_{c}" for c in p.spec.classes])
+    w.writerow(["index"] + (["source"] if p.sources else []) + (["label"] if p.labels is not None else [])
+               + ["predicted", "predicted_class"] + [f"score_{c}" for c in p.spec.classes])
     for i in range(len(p.predicted)):
-        w.writerow([i, int(p.labels[i]), int(p.predicted[i]), p.spec.classes[p.predicted[i]]]
-                   + [f"{s:.6g}" for s in p.scores[i]])
+        w.writerow([i] + ([p.sources[i]] if p.sources else [])
+                   + ([int(p.labels[i])] if p.labels is not None else [])
+                   + [int(p.predicted[i]), p.spec.classes[p.predicted[i]]] + [f"{s:.6g}" for s in p.scores[i]])
     atomic_write_bytes(Path(path), buf.getvalue().encode())
 
 
 def metrics(p: Predictions) -> dict:
     """accuracy, per_class_accuracy (NaN for an absent class), worst_class_accuracy, worst_class (index),
     confusion (K, K) counts, records; with groups also per_group_accuracy and worst_group_accuracy."""
+    if p.labels is None:
+        raise DataError("evaluation needs labels and these records have none (a CSV file without the label "
+                        "column, config key csv-label, or a folder of images without class sub-folders): use "
+                        "predict, or give labelled records")
     k = p.spec.num_classes
     per_class = per_class_accuracy(p.predicted, p.labels, k)
     out = {"records": int(len(p.labels)), "accuracy": float((p.predicted == p.labels).mean()),
@@ -108,3 +196,10 @@ def write_confusion_png(p: Predictions, m: dict, path: Path, data: str) -> None:
     """The confusion matrix of ``metrics`` ``m`` as a PNG at ``path``."""
     plot_confusion(m["confusion"], p.spec.classes, Path(path),
                    f"confusion matrix, data {data} ({m['records']} records, accuracy {m['accuracy']:.4f})")
+
+
+def evaluate(run_dir: str | Path, data="test", overrides: dict | None = None, *,
+             module: nn.Module | None = None) -> dict:
+    """``metrics`` of the run's model on ``data`` (as ``predict``; labelled records only): accuracy, per-class
+    and worst-class accuracy, the confusion matrix, with groups the worst-group accuracy."""
+    return metrics(predict(run_dir, data, overrides, module=module))

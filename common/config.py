@@ -189,7 +189,8 @@ FIELDS: tuple[Field, ...] = (
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
     Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
           "and 'image-folder' read your own files (README: your own data); 'package.module:function' calls your "
-          "function (split, data_root) -> (x, y[, groups]) or a Dataset.", choices=_dataset_names, role="data",
+          "function (split, data_root) -> (x, y[, groups]) or a Dataset; 'python-data' is recorded by "
+          "dpdro.fit(data=...) (records from Python, no file).", choices=_dataset_names, role="data",
           entry_point=True),
     Field("data-root", "str", AUTO, "Built-in data sets: folder holding <Name>/raw/ in torchvision's layout (.gz or "
           "extracted); 'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache. "

@@ -571,6 +571,20 @@ register_dataset("csv", DatasetSpec(tabular_data.load, 0, "mlp", keys=tabular_da
                                     check=tabular_data.check_options, fingerprint=tabular_data.fingerprint))
 
 
+# ---- records passed from Python (dpdro.fit(data=...)): recorded as this data set, which no file holds ----
+PYTHON_DATA = "python-data"
+
+
+def _load_python_data(split, data_root, cache_dir, download, split_seed):
+    raise DataError(f"dataset {PYTHON_DATA!r}: the run trained on records passed to dpdro.fit(data=...) from "
+                    "Python, which no file holds; evaluate and predict in Python with dpdro.evaluate(run_dir, "
+                    "dpdro.records(x, y, num_classes)) and dpdro.predict(run_dir, ...); to train from the command "
+                    "line, use dataset=csv, image-folder or package.module:function")
+
+
+register_dataset(PYTHON_DATA, DatasetSpec(_load_python_data, 0, "mlp", cacheable=False))
+
+
 def data_fingerprint(cfg) -> str | None:
     """What, beyond the config keys, decides the records a data set yields, for caches of derived data (the
     Flower client's shard cache): '' for fixed files (the built-ins: checked against their md5 or headers), a

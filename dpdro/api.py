@@ -141,8 +141,9 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
         allowed); the out-dir rules are those of the CLI (key overwrite = true to replace a run, resume = true
         to continue one).
     data: (train, evaluation) record sets (``ArrayDataset``, e.g. from ``records(x, y, num_classes)``) to train
-        on instead of config key ``dataset``; then a model must be named (``model=`` or key ``model``), since
-        'auto' picks a model by data set.
+        on instead of config key ``dataset``, which the run then records as 'python-data' (no file holds them:
+        evaluate with ``dpdro.evaluate(run_dir, records(...))``); a model must be named (``model=`` or key
+        ``model``), since 'auto' picks a model by data set.
     model: a registered model name or import path 'package.module:factory' (the same as key ``model``), an
         ``nn.Module`` to train (validated; its own initial parameters), or a callable
         ``factory(num_classes[, input_shape])`` (an importable one becomes key ``model``, exactly as on the
@@ -156,7 +157,7 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
     """
     from torch import nn
 
-    from dpdro.common.data import ArrayDataset, load_from_config
+    from dpdro.common.data import PYTHON_DATA, ArrayDataset, load_from_config
     from dpdro.launch.local import train_local
     from dpdro.server.model_files import load_model
     from dpdro.server.rundir import check_out_dir
@@ -176,6 +177,8 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
         if model is None and cfg.model == "auto":
             raise ValueError("fit: with data= name a model (model= or config key model): 'auto' picks the model "
                              f"of config key dataset ({cfg.dataset!r}), not of your data")
+        # what config.json, summary.json and the model card name as the data: not the default of key dataset
+        cfg = cfg.with_updates({"dataset": PYTHON_DATA})
     module = None
     if isinstance(model, nn.Module):
         module = model

@@ -172,12 +172,38 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
     lines += [f"| {c} | {'n/a' if a is None or (isinstance(a, float) and math.isnan(a)) else f'{a:.4f}'} |"
               for c, a in zip(classes, per_class, strict=True)]
     lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
-    lines += ["", "## Use", "", "```",
-              f"dpdro predict --run {run_dir} --data test      # predictions_test.csv",
-              f"dpdro evaluate --run {run_dir} --data test     # accuracy, worst class, confusion matrix",
-              "```", "", "```python", "import dpdro",
-              f"model, spec = dpdro.load_model({str(run_dir)!r})   # nn.Module in eval mode, model.json", "```", ""]
+    lines += ["", "## Use", ""] + use_section(summary["dataset"], model, str(run_dir))
     return "\n".join(lines)
+
+
+def use_section(dataset: str, model: dict, run_dir: str) -> list[str]:
+    """The card's commands that use the model, correct for how the run got its data: the dpdro commands for a
+    data set that files hold (for user code by import path: with it importable), the Python API for records
+    passed to ``dpdro.fit(data=...)`` (dataset 'python-data', which no file holds)."""
+    from ..common.data import PYTHON_DATA
+
+    module = "" if model.get("factory") else ", module=MyModel()"  # a module object: its class is rebuilt by you
+    load = [f"model, spec = dpdro.load_model({run_dir!r}{module})   # nn.Module in eval mode, model.json"]
+    if module:
+        load.insert(0, f"# the run trained a module object ({model.get('module_class')}): pass an untrained one "
+                       "of that architecture as module=")
+    if dataset == PYTHON_DATA or module:
+        k = model["num_classes"]
+        why = "on records passed from Python (dpdro.fit(data=...))" if dataset == PYTHON_DATA else \
+            "a module object passed to dpdro.fit"
+        return [f"The run trained {why}; use it from Python:", "",
+                "```python", "import dpdro", *load,
+                f"test = dpdro.records(x_test, y_test, {k})   # your held-out records: float x, labels in [0, {k})",
+                f"print(dpdro.evaluate({run_dir!r}, test{module}))   # accuracy, worst class, confusion matrix",
+                f"p = dpdro.predict({run_dir!r}, test{module})   # p.predicted (N,), p.scores (N, {k})", "```", ""]
+    lines = []
+    if ":" in dataset:
+        lines += [f"The data come from `{dataset}`: its module must be importable (PYTHONPATH) for these.", ""]
+    return lines + ["```",
+                    f"dpdro predict --run {run_dir} --data test      # predictions_test.csv",
+                    f"dpdro evaluate --run {run_dir} --data test     # accuracy, worst class, confusion matrix",
+                    f"dpdro predict --run {run_dir} --data PATH      # new records (README: using the trained model)",
+                    "```", "", "```python", "import dpdro", *load, "```", ""]
 
 
 def write_model_card(run_dir: Path, summary: dict, model: dict, plots: list[str]) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,3 +232,59 @@ def test_a_csv_run_names_its_classes_and_evaluate_reports_the_worst_group(tmp_pa
     out = capsys.readouterr().out
     assert f"worst-group accuracy {summary['worst_group_accuracy']:.4f}" in out
     assert "| no | " in (run / "MODEL_CARD.md").read_text()
+
+
+def _card_block(card: str, lang: str) -> str:
+    """The first fenced block of ``lang`` ('' for a plain one) in a model card."""
+    m = re.search(rf"^```{lang}\n(.*?)^```", card, re.S | re.M)
+    assert m, card
+    return m.group(1)
+
+
+def _card_evaluate_args(run) -> list[str]:
+    """The card's `dpdro evaluate ...` command as CLI arguments (its comment dropped)."""
+    line = next(ln for ln in _card_block((run / "MODEL_CARD.md").read_text(), "").splitlines()
+                if ln.startswith("dpdro evaluate"))
+    return shlex.split(line.split("#")[0])[1:]
+
+
+def test_the_card_evaluate_command_of_a_data_set_run_repeats_its_accuracy(finished, capsys):
+    run, summary = finished
+    capsys.readouterr()
+    assert main(_card_evaluate_args(run)) == 0
+    assert f"accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out
+
+
+def test_the_card_evaluate_command_of_an_entry_point_run_repeats_its_accuracy(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    run = tmp_path / "run"
+    summary = _cli_train({**KEYS, "dataset": "user_code:blobs", "model": "user_code:tiny_mlp", "posthoc-tau": 0.0,
+                          "refresh-batch": 60, "diff-batch": 60, "out-dir": run})
+    assert json.load(open(run / "config.json"))["dataset"] == "user_code:blobs"
+    assert "`user_code:blobs`: its module must be importable" in (run / "MODEL_CARD.md").read_text()
+    capsys.readouterr()
+    assert main(_card_evaluate_args(run)) == 0
+    assert f"accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out
+
+
+def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    y = torch.as_tensor(rng.integers(0, 2, 400))
+    x = torch.as_tensor(rng.normal(size=(400, 1, 4, 4)), dtype=torch.float32) + y.view(-1, 1, 1, 1) * 1.5
+    keys = {k: v for k, v in KEYS.items() if k != "dataset"} | {"posthoc-tau": 0.0, "refresh-batch": 100,
+                                                                 "diff-batch": 100, "out-dir": str(tmp_path / "run")}
+    result = dpdro.fit(keys, data=(dpdro.records(x[:300], y[:300], 2), dpdro.records(x[300:], y[300:], 2)),
+                       model=TinyMLP)
+    run = result.run_dir
+    # recorded as what it is, not the default of key dataset (mnist-st), in every file
+    assert json.load(open(run / "config.json"))["dataset"] == "python-data" == result.summary["dataset"]
+    card = (run / "MODEL_CARD.md").read_text()
+    assert "dpdro evaluate --run" not in card and "records passed from Python" in card
+    # the card's Python snippet runs as written, given the user's held-out records, and repeats the accuracy
+    capsys.readouterr()
+    exec(_card_block(card, "python"), {"x_test": x[300:], "y_test": y[300:]})  # noqa: S102 - the card's own code
+    printed = capsys.readouterr().out
+    assert f"'accuracy': {result.summary['test_accuracy']}" in printed
+    # the command line says how to evaluate such a run instead of loading mnist-st
+    assert main(["evaluate", "--run", str(run)]) == 2
+    assert "trained on records passed to dpdro.fit(data=...) from Python" in capsys.readouterr().err

@@ -33,12 +33,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CONTAINERS_HEADING = "## In containers (compose.yaml, podman)"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="FedAvg rounds")
     p.add_argument("--iterations", type=int, default=4, help="dp-double-spider iterations (2 rounds each)")
+    p.add_argument("--repeats", type=int, default=2, help="FedAvg, dpdro pairs, run alternately (A B A B)")
     p.add_argument("--work-dir", default=None, help="deployment folder (default: a temporary folder)")
     p.add_argument("--write", default=None, help="Markdown file to write the figures into")
     p.add_argument("--containers", action="store_true",
@@ -54,42 +56,50 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
     tmp = tempfile.mkdtemp(prefix="dpdro-latency-")
     work = Path(args.work_dir or Path(tmp) / "deploy")
-    out_dir = Path(tmp) / "run"
-    fed_out = Path(tmp) / "fedavg.json"
     cfg = Config.from_mapping({"num-clients": 2, "iterations": args.iterations, "max-train-records": 2000,
                                "max-test-records": 500, "threads": 1, "eval-every": args.iterations,
-                               "out-dir": str(out_dir)})
+                               "out-dir": str(Path(tmp) / "run")})
     data_root = str(resolve_data_root(cfg.data_root).resolve())
     cache_dir = str(resolve_cache_dir(cfg.cache_dir).resolve())
     cfg = cfg.with_updates({"data-root": data_root, "cache-dir": cache_dir})
     load_before = os.getloadavg()
     t0 = time.monotonic()
+    fed_runs: list[tuple[list[float], float]] = []  # (seconds of each FedAvg round, submit-to-finish)
+    our_runs: list[tuple[int, float, float, float]] = []  # (releases, loop s, s per round, submit-to-finish)
     with LoopbackDeployment(work, 2, [{"data-root": data_root, "cache-dir": cache_dir}] * 2) as dep:
         startup = time.monotonic() - t0
-        fed = dep.run(ROOT / "simulations" / "fedavg_app",
-                      f"num-rounds={args.rounds} dim=26106 min-nodes=2 out-file='{fed_out}'", timeout=1200)
-        if not fed.ok:
-            print(f"FedAvg run failed: {fed.status} {fed.details}\n{fed.log_tail}", file=sys.stderr)
-            return 1
-        ours = dep.run(ROOT, override_string(cfg, toml_value), timeout=3600)
-        if not ours.ok:
-            print(f"dpdro run failed: {ours.status} {ours.details}\n{ours.log_tail}", file=sys.stderr)
-            return 1
+        for rep in range(args.repeats):  # A B A B: the machine's load drifts; pairs are compared
+            fed_out = Path(tmp) / f"fedavg-{rep}.json"
+            fed = dep.run(ROOT / "simulations" / "fedavg_app",
+                          f"num-rounds={args.rounds} dim=26106 min-nodes=2 out-file='{fed_out}'", timeout=1200)
+            if not fed.ok:
+                print(f"FedAvg run failed: {fed.status} {fed.details}\n{fed.log_tail}", file=sys.stderr)
+                return 1
+            fed_runs.append((json.loads(fed_out.read_text())["round_seconds"], fed.seconds))
+            out_dir = Path(tmp) / f"run-{rep}"
+            ours = dep.run(ROOT, override_string(cfg.with_updates({"out-dir": str(out_dir)}), toml_value),
+                           timeout=3600)
+            if not ours.ok:
+                print(f"dpdro run failed: {ours.status} {ours.details}\n{ours.log_tail}", file=sys.stderr)
+                return 1
+            our_runs.append((*_round_seconds(out_dir), ours.seconds))
     load_after = os.getloadavg()
-    fed_rounds = json.loads(fed_out.read_text())["round_seconds"]
-    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
-    summary = json.loads((out_dir / "summary.json").read_text())
-    releases = sum(summary["releases"].values())
-    eval_s = float(rows[0]["wall_seconds"])  # the first row is the evaluation of the initial model
-    loop_s = float(rows[-1]["wall_seconds"]) - 2 * eval_s
-    ours_round = loop_s / releases
-    lines = [
-        f"startup (certificates, SuperLink, registration, 2 SuperNodes online): {startup:.1f} s",
-        f"FedAvg (Flower's strategy, send_and_receive, 26,106 float32 each way): {len(fed_rounds)} rounds, "
-        f"mean {statistics.mean(fed_rounds):.2f} s/round (median {statistics.median(fed_rounds):.2f}, "
-        f"min {min(fed_rounds):.2f}, max {max(fed_rounds):.2f}); run {fed.seconds:.1f} s submit-to-finish",
-        f"dpdro dp-double-spider: {releases} rounds ({args.iterations} iterations), {ours_round:.2f} s/round "
-        f"({2 * ours_round:.2f} s/iteration), loop {loop_s:.1f} s; run {ours.seconds:.1f} s submit-to-finish",
+    ratios = [o[2] / statistics.mean(f[0]) for f, o in zip(fed_runs, our_runs, strict=True)]
+    lines = [f"startup (certificates, SuperLink, registration, 2 SuperNodes online): {startup:.1f} s"]
+    for rep, ((fed_rounds, fed_s), (releases, loop_s, ours_round, ours_s)) in enumerate(
+            zip(fed_runs, our_runs, strict=True)):
+        lines += [
+            f"pair {rep + 1}: FedAvg (Flower's strategy, send_and_receive, 26,106 float32 each way): "
+            f"{len(fed_rounds)} rounds, mean {statistics.mean(fed_rounds):.2f} s/round (median "
+            f"{statistics.median(fed_rounds):.2f}, min {min(fed_rounds):.2f}, max {max(fed_rounds):.2f}); run "
+            f"{fed_s:.1f} s submit-to-finish",
+            f"pair {rep + 1}: dpdro dp-double-spider: {releases} rounds ({args.iterations} iterations), "
+            f"{ours_round:.2f} s/round ({2 * ours_round:.2f} s/iteration), loop {loop_s:.1f} s; run {ours_s:.1f} s "
+            f"submit-to-finish; ratio to this pair's FedAvg round {ratios[rep]:.2f}",
+        ]
+    lines += [
+        f"**dpdro round / FedAvg round: median {statistics.median(ratios):.2f}** over {len(ratios)} pairs "
+        f"({', '.join(f'{r:.2f}' for r in ratios)}); target <= 1",
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)",
     ]
     print("\n".join(lines))
@@ -99,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"`.venv/bin/python {cmd.strip()}` on this project's {os.cpu_count()}-core CPU machine "
                 f"(SuperLink and 2 SuperNodes on 127.0.0.1, TLS and SuperNode authentication; the machine was "
                 f"shared with other jobs, see the load average).\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
-        Path(args.write).write_text(text)
+        path = Path(args.write)
+        old = path.read_text() if path.is_file() else ""
+        kept = old[old.index(CONTAINERS_HEADING):] if CONTAINERS_HEADING in old else ""  # containers: separate runs
+        path.write_text(text + kept)
         print(f"wrote {args.write}")
     return 0
 
@@ -155,7 +168,7 @@ def containers_main(args, argv) -> int:
     print("\n".join(lines))
     if args.write:
         cmd = "simulations/bench_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = (f"\n## In containers (compose.yaml, podman)\n\nMeasured {dt.date.today().isoformat()} with "
+        text = (f"\n{CONTAINERS_HEADING}\n\nMeasured {dt.date.today().isoformat()} with "
                 f"`.venv/bin/python {cmd.strip()}`: the same dpdro run on compose.yaml's deployment (one container "
                 f"per process, podman 4.3.1 with runc, TLS and SuperNode authentication, SuperNodes through the "
                 f"Fleet gateway), same machine.\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")

@@ -9,10 +9,12 @@ cached per process, keyed by the data configuration and partition: in simulation
 nodes (FLOWER.md 3.4), so the cache never stands in for per-node state.
 
 Deployment starts a new ``flwr-clientapp`` process for every message (FLOWER.md 3.4), so start-up must be
-cheap: torch is imported only when a release is computed, and the node's shard is written once to a local
-file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the configuration keys that shape the data, and the
-partition) and read from there by later messages instead of rebuilding the data set. The file stays on the
-node. A site's own ``data-root`` and ``cache-dir`` may be given in its node config (``flower-supernode
+cheap: this module never imports torch itself, and in a deployment the computation runs in the node's *warm
+worker* (``client/flower/warm.py``), a long-lived process that keeps torch, the shard and the model across
+messages (node config ``warm-seconds``; where it cannot be reached the ClientApp computes the reply itself).
+The node's shard is written once to a local file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the
+configuration keys that shape the data, and the partition) and read from there later instead of rebuilding the
+data set. The file stays on the node. A site's own ``data-root`` and ``cache-dir`` may be given in its node config (``flower-supernode
 --node-config 'data-root="/data" ...'``); they override the run config's values on that node.
 
 Node-local data (config key ``partition = "node-local"``): the node's shard is every record of the data its node
@@ -25,6 +27,7 @@ any user files, also by their names, sizes and modification times (``data.data_f
 from __future__ import annotations
 
 import logging
+import os
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
@@ -195,12 +198,41 @@ def _worker(cfg: Config, pid: int):
     return _WORKERS[key]
 
 
+def _warm_endpoint(context: Context):
+    """(endpoint, idle seconds) of this node's warm worker (client/flower/warm.py), or None where there is none:
+    outside a deployment's ``flwr-clientapp`` process, or with node config warm-seconds=0."""
+    from . import warm
+
+    idle = warm.idle_seconds(context.node_config)
+    if idle == 0 or not warm.in_deployment():
+        return None
+    return warm.Endpoint.for_node(context.node_id, os.getppid()), idle
+
+
+def _on_warm_worker(context: Context, request: dict):
+    """``request``'s value computed by this node's warm worker; None where there is none or it cannot be
+    reached (the caller computes it here then). Exceptions of the computation itself are raised."""
+    from . import warm
+
+    try:
+        where = _warm_endpoint(context)
+        if where is None:
+            return None
+        return warm.call(where[0], where[1], os.getppid(), request)
+    except (warm.WarmUnavailable, OSError) as e:  # OSError: e.g. no writable temporary folder for the socket
+        log.warning("computing in the ClientApp process: %s", e)
+        return None
+
+
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    """This node's partition id and shard size (treated as public); resets its cache of model versions."""
+    """This node's partition id and shard size (treated as public); resets its cache of model versions.
+    In a deployment this starts the node's warm worker, which builds the shard and model for the releases."""
     cfg = _config(context)
     pid = _partition(context, cfg)
-    num_records = _num_records(cfg, pid)
+    num_records = _on_warm_worker(context, {"op": "records", "config": cfg.to_dict(), "partition": pid})
+    if num_records is None:
+        num_records = _num_records(cfg, pid)
     context.state["versions"] = ArrayRecord({})
     return Message(RecordDict({"hello": ConfigRecord({"partition": pid, "num-records": num_records})}),
                    reply_to=msg)
@@ -210,14 +242,19 @@ def _answer(context: Context, queries, incoming):
     """This node's replies to ``queries``, with the model versions it holds plus ``incoming``; keeps the
     newest versions in ``context.state``. Raises KeyError if a referenced version is missing."""
     cfg = _config(context)
-    worker = _worker(cfg, _partition(context, cfg))
+    pid = _partition(context, cfg)
     held = context.state["versions"] if "versions" in context.state else ArrayRecord({})
     versions = {int(k): a.numpy() for k, a in held.items()}
     versions.update(incoming)
-    missing = sorted({v for q in queries for v in q.versions} - set(versions))
+    needed = {v for q in queries for v in q.versions}
+    missing = sorted(needed - set(versions))
     if missing:  # the server resends them (e.g. after this node restarted)
         raise KeyError(f"missing model versions {missing}")
-    replies = [worker.answer(q, versions) for q in queries]
+    replies = _on_warm_worker(context, {"op": "answer", "config": cfg.to_dict(), "partition": pid,
+                                        "queries": queries, "versions": {v: versions[v] for v in needed}})
+    if replies is None:
+        worker = _worker(cfg, pid)
+        replies = [worker.answer(q, versions) for q in queries]
     newest = sorted(versions)[-KEEP_VERSIONS:]
     context.state["versions"] = ArrayRecord({str(k): Array(versions[k]) for k in newest})
     return replies

@@ -8,6 +8,7 @@
     dpdro keys                                                every configuration key with default and help
     dpdro predict --run RUN_DIR [--data test|PATH] [--out F]   predictions of the run's model (model.pt) as CSV
     dpdro evaluate --run RUN_DIR [--data test|PATH]           accuracy, worst-class accuracy, confusion matrix PNG
+    dpdro export --run RUN_DIR [--format onnx] [--out F]      the model as ONNX (optional extra dpdro[onnx])
     dpdro tune --dataset D [--epsilon E] [--trials N]         Optuna search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
     dpdro hazards [--seeds ...]                               one-factor changes of the tuned DP-DRO configs
@@ -216,6 +217,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
                                                                            strict=True)))
     print(f"confusion matrix: {png}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dpdro.server.onnx_export import export_onnx  # torch-free: a missing extra is named before torch loads
+
+    path = export_onnx(args.run, args.out)
+    print(f"ONNX model written to {path} (input 'input' (batch, *input_shape); outputs 'logits' and 'predicted', "
+          "the run's prediction)")
     return 0
 
 
@@ -522,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
         s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
                                      "RUN_DIR/plots/confusion_<data>.png for evaluate)")
+    s = sub.add_parser("export", help="a finished run's model as an ONNX file (needs the extra dpdro[onnx])")
+    s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
+    s.add_argument("--format", default="onnx", choices=("onnx",), help="file format (onnx: logits and the run's "
+                   "prediction, batch size free)")
+    s.add_argument("--out", help="output file (default: RUN_DIR/model.onnx)")
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
@@ -663,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
                 "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
     handlers["predict"] = cmd_predict
     handlers["evaluate"] = cmd_evaluate
+    handlers["export"] = cmd_export
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy
@@ -678,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         known = (_loaded("dpdro.common.models", "ModelError") + _loaded("dpdro.server.engine", "ResumeError")
                  + _loaded("dpdro.server.ledger", "PrivacyBudgetExceeded")
                  + _loaded("dpdro.server.rundir", "RunFileError")
-                 + _loaded("dpdro.launch.simulate", "SimulationError"))
+                 + _loaded("dpdro.launch.simulate", "SimulationError")
+                 + _loaded("dpdro.server.onnx_export", "ExportUnavailable"))
         if isinstance(e, known):
             print(f"dpdro: error: {e}", file=sys.stderr)
             return 2

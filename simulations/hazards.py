@@ -15,6 +15,10 @@ split with every seed and evaluated on the test split:
 - the eta clip: eta-clip-rule fixed (biased) vs weight-bound (ALGORITHMS.md 3.1);
 - the scale of Algorithm 3's quantities: rs-clip-units absolute vs relative.
 
+A tuned configuration at dro-level=group gets the group level's own factors instead (GROUP_TOGGLES): the
+divergence's centre (dro-reference prior vs uniform), the record level, no averaging of the group losses (beta 1),
+q, the logit-adjusted loss off, the clip form and (dp-double-spider) the divergence.
+
 A second block asks whether DRO adds anything on top of the strongest simple baseline: dp-double-spider at the
 tuned dp-sgd-la setting (its step size, batches, post-hoc tau, logit-adjusted loss), with either DRO clip. These
 rows are evaluated on the test split and are a diagnostic, not a tuned result (nothing is selected on them).
@@ -43,6 +47,16 @@ TOGGLES = {
     "recursive-spider": [("rs-clip-units", "absolute"), ("rs-clip-units", "relative"), ("q", 1), ("q", 5),
                          ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0)],
 }
+# At dro-level=group (ALGORITHMS.md 3.3, 4.3) the eta and s keys above are inert; the group level's own levers are the
+# divergence's centre, the averaging of the group losses (beta 1: none), the level itself, the clip form and q.
+GROUP_TOGGLES = {
+    "dp-double-spider": [("dro-reference", "prior"), ("dro-reference", "uniform"), ("dro-level", "record"),
+                         ("beta", 1.0), ("q", 1), ("q", 5), ("logit-adjust-tau", 0.0), ("dro-clip", "product"),
+                         ("dro-clip", "weight-after-clip"), ("psi", "chi2"), ("psi", "kl")],
+    "recursive-spider": [("dro-reference", "prior"), ("dro-reference", "uniform"), ("dro-level", "record"),
+                         ("beta", 1.0), ("q", 1), ("q", 5), ("logit-adjust-tau", 0.0), ("dro-clip", "product"),
+                         ("dro-clip", "weight-after-clip")],
+}
 
 
 def _tuned(algo: str, folder: Path | None) -> dict:
@@ -56,9 +70,10 @@ def variants(folder: Path | None = None) -> list[tuple[str, str, dict]]:
     from them (the difference cap of a q = 1 configuration is changed together with q = 5).
     Raises FileNotFoundError when a tuned configuration is missing (run `dpdro tune` first)."""
     out = []
-    for algo, toggles in TOGGLES.items():
+    for algo in TOGGLES:
         tuned = _tuned(algo, folder)
         base = Config.from_mapping(tuned)
+        toggles = (GROUP_TOGGLES if base.dro_level == "group" else TOGGLES)[algo]
         out.append((f"{algo} (tuned)", algo, tuned))
         for key, value in toggles:
             change = {key: value}
@@ -146,7 +161,8 @@ def write_hazards(seeds: list[int], root: Path, docs: Path) -> Path:
         phases = [s["spider_noise"] for s in sums]
         dominated = [p["phases_noise_dominated"] / p["phases"] for p in phases if p["phases"]]
         ratio = [p["mean_phase_noise_ratio"] for p in phases if p["mean_phase_noise_ratio"] is not None]
-        ref, diff = ("x-refresh", "x-diff") if algo == "dp-double-spider" else ("vu-refresh", "vu-diff")
+        group = json.loads((runs[0] / "config.json").read_text()).get("dro-level") == "group"
+        ref, diff = ("x-refresh", "x-diff") if algo == "dp-double-spider" or group else ("vu-refresh", "vu-diff")
         clip_ref = [v for v in (_clipped(r, ref) for r in runs) if v is not None]
         clip_diff = [v for v in (_clipped(r, diff) for r in runs) if v is not None]
         lines.append(f"| {label} (n={len(runs)}) | {_mean_std([s['test_accuracy'] for s in sums])} | "

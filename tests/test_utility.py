@@ -493,6 +493,24 @@ def test_main_job_is_the_tuned_best_configuration():
     Config.from_mapping(main)  # valid
 
 
+def test_hazard_variants_of_a_group_level_config_toggle_the_group_levers(tmp_path):
+    from dpdro.simulations.hazards import GROUP_TOGGLES, variants
+    from dpdro.simulations.tune import write_toml
+
+    write_toml(tmp_path / "mnist-st-eps4-dp-double-spider.toml",
+               {"algorithm": "dp-double-spider", "dro-level": "group", "dro-reference": "uniform", "psi": "kl",
+                "beta": 0.3, "q": 1, "dro-clip": "product"})
+    write_toml(tmp_path / "mnist-st-eps4-recursive-spider.toml", {"algorithm": "recursive-spider", "q": 1})
+    vs = variants(tmp_path)
+    dss = [label for label, algo, _ in vs if algo == "dp-double-spider"]
+    # equal to the tuned config, hence left out: uniform, q = 1, tau 0 (the default), product, kl
+    assert len(dss) == 1 + len(GROUP_TOGGLES["dp-double-spider"]) - 5
+    assert "dp-double-spider, dro-reference=prior" in dss and "dp-double-spider, dro-level=record" in dss
+    assert "dp-double-spider, eta-clip-rule=fixed" not in dss  # a record-level lever, inert at the group level
+    # the record-level recursive-spider config keeps the record toggles
+    assert "recursive-spider, rs-clip-units=relative" in [label for label, _, _ in vs]
+
+
 def test_baseline_variants_carry_the_baseline_setting_into_double_spider(tmp_path):
     from dpdro.simulations.hazards import baseline_variants
     from dpdro.simulations.tune import write_toml

@@ -268,7 +268,7 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
     meta = {"factory": factory, "module_class": describe_module_class(model.module),
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
             "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
-            "input_scaling": input_scaling(test.name),
+            "input_scaling": input_scaling(test.name, cfg.to_dict()),
             # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
             # and scaling, class order): what scoring new records by hand needs
             "preprocessing": {k: v for k, v in cfg.to_dict().items()

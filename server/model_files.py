@@ -31,9 +31,22 @@ BUILTIN_DATASETS = ("mnist", "mnist-st", "fashion-mnist", "fashion-mnist-st", "c
 BUILTIN_INPUT_SCALING = "uint8 pixels p -> p / 255 * 2 - 1 (channels first, float)"
 
 
-def input_scaling(dataset: str) -> str:
-    """How records of ``dataset`` (an ArrayDataset name) are turned into model inputs, in words (model.json)."""
-    return BUILTIN_INPUT_SCALING if dataset in BUILTIN_DATASETS else f"as dpdro loads data set {dataset!r}"
+def input_scaling(dataset: str, options: dict | None = None) -> str:
+    """How records of ``dataset`` (an ArrayDataset name) are turned into model inputs, in words (model.json);
+    ``options``: the run's configuration keys, which say it for the user data sets csv and image-folder."""
+    if dataset in BUILTIN_DATASETS:
+        return BUILTIN_INPUT_SCALING
+    o = options or {}
+    if dataset == "image-folder" and "image-channels" in o:
+        size = f"resized to {o['image-size']}x{o['image-size']} (bilinear)" if o["image-size"] else "not resized"
+        values = (f"(p / 255 - image-mean) / image-std with image-mean {o['image-mean']}, image-std {o['image-std']}"
+                  if o["image-mean"].strip() else "p / 255 * 2 - 1")
+        return (f"images converted to {'grey' if o['image-channels'] == 1 else 'RGB'}, {size}, pixels p -> {values} "
+                "(channels first, float)")
+    if dataset == "csv" and "csv-bounds" in o:
+        return (f"feature columns clipped to the declared public bounds (csv-bounds {o['csv-bounds']}) and scaled "
+                "to [-1, 1]: 2 (clip(x, lo, hi) - lo) / (hi - lo) - 1")
+    return f"as dpdro loads data set {dataset!r}"
 
 
 @dataclass(frozen=True)

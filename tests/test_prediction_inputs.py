@@ -43,7 +43,9 @@ def csv_run(tmp_path_factory):
 
 def test_predict_on_unlabelled_csv_rows_equals_the_predictions_on_the_same_rows_labelled(csv_run, tmp_path, capsys):
     run, data, summary = csv_run
-    assert json.loads((run / "model.json").read_text())["feature_names"] == ["f1", "f2"]
+    meta = json.loads((run / "model.json").read_text())
+    assert meta["feature_names"] == ["f1", "f2"]
+    assert "clipped to the declared public bounds (csv-bounds 0:10) and scaled to [-1, 1]" in meta["input_scaling"]
     assert main(["predict", "--run", str(run), "--data", "test", "--out", str(tmp_path / "split.csv")]) == 0
     # the same rows without the label column, the columns in another order (read by name, as in training)
     rows = easy_rows(200, 2)
@@ -111,6 +113,8 @@ def image_run(tmp_path_factory):
 
 def test_predict_on_a_flat_folder_of_images_equals_the_predictions_on_the_class_folders(image_run, tmp_path):
     run, images = image_run
+    assert json.loads((run / "model.json").read_text())["input_scaling"] == (
+        "images converted to grey, resized to 8x8 (bilinear), pixels p -> p / 255 * 2 - 1 (channels first, float)")
     assert main(["predict", "--run", str(run), "--data", "test", "--out", str(tmp_path / "split.csv")]) == 0
     flat = tmp_path / "flat"
     flat.mkdir()

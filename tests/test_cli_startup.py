@@ -211,3 +211,15 @@ def test_progress_bar_of_a_resumed_run_starts_at_its_checkpoint(monkeypatch):
     assert (bar.n, bar.initial, bar.total) == (121, 120, 400)
     close()
 
+
+
+def test_flower_commands_find_the_app_from_any_folder(tmp_path, monkeypatch):
+    """simulate, deploy, noise-modes and bench default --app to this checkout, not the current folder (a user
+    runs them from the folder of their data; with '.' flwr failed: no pyproject.toml there)."""
+    from pathlib import Path
+
+    from dpdro.cli import app_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert app_dir(None) == ROOT and "[tool.flwr.app]" in (app_dir(None) / "pyproject.toml").read_text()
+    assert app_dir("elsewhere") == Path("elsewhere")

@@ -60,17 +60,34 @@ def config_of(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> 
                       f"{type(config).__name__}")
 
 
-def records(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, groups: torch.Tensor | None = None,
-            num_groups: int = 0, name: str = "python", class_names: list[str] | None = None) -> ArrayDataset:
-    """Records for ``fit(data=...)``: inputs ``x`` (N, *input shape) float, labels ``y`` (N,) integers in
-    [0, num_classes), optional ``groups`` (N,) in [0, num_groups) for worst-group accuracy. ``num_classes`` is
-    declared, never read off the labels (a data-dependent constant would be an unaccounted release);
-    ``class_names`` (K,) optionally names them (model.json, predictions, the model card).
-    Raises ValueError naming the argument for a wrong shape, dtype or range."""
+def records(x: torch.Tensor | torch.utils.data.Dataset, y: torch.Tensor | None = None,
+            num_classes: int | None = None, *, groups: torch.Tensor | None = None, num_groups: int = 0,
+            name: str = "python", class_names: list[str] | None = None) -> ArrayDataset:
+    """Records for ``fit(data=...)``, ``evaluate`` and ``predict``: inputs ``x`` (N, *input shape) float, labels
+    ``y`` (N,) integers in [0, num_classes), optional ``groups`` (N,) in [0, num_groups) for worst-group accuracy;
+    or ``x`` a torch ``Dataset`` of (input, label) items (e.g. a TensorDataset, or torchvision's with a
+    ToTensor transform) and no ``y``: every item is read once. ``num_classes`` is declared, never read off the
+    labels (a data-dependent constant would be an unaccounted release); ``class_names`` (K,) optionally names
+    them (model.json, predictions, the model card).
+    Raises ValueError naming the argument for a wrong shape, dtype or range, or a missing num_classes."""
     import torch
 
     from dpdro.common.data import ArrayDataset
 
+    if num_classes is None:
+        raise ValueError("records: num_classes must be declared (records(x, y, num_classes) or records(dataset, "
+                         "num_classes=K)); it is never read off the labels")
+    if isinstance(x, torch.utils.data.Dataset):
+        if y is not None:
+            raise ValueError("records: with a Dataset as x, leave y out (its items are (input, label) pairs)")
+        items = [x[i] for i in range(len(x))]
+        if not items or not all(isinstance(it, (tuple, list)) and len(it) >= 2 for it in items):
+            raise ValueError(f"records: the Dataset must hold (input, label) items; got {len(items)} items"
+                             + (f", the first a {type(items[0]).__name__}" if items else ""))
+        x = torch.stack([torch.as_tensor(it[0]) for it in items])
+        y = torch.as_tensor([int(it[1]) for it in items])
+    if y is None:
+        raise ValueError("records: y (labels) is required when x is a tensor")
     x, y = torch.as_tensor(x), torch.as_tensor(y)
     if not x.is_floating_point():
         raise ValueError(f"records: x must be a float tensor (scale the inputs yourself); got dtype {x.dtype}")

@@ -285,6 +285,12 @@ def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(t
     exec(_card_block(card, "python"), {"x_test": x[300:], "y_test": y[300:]})  # noqa: S102 - the card's own code
     printed = capsys.readouterr().out
     assert f"'accuracy': {result.summary['test_accuracy']}" in printed
+    # the same held-out records as a torch Dataset of (input, label) items give the same evaluation
+    from_dataset = dpdro.records(torch.utils.data.TensorDataset(x[300:], y[300:]), num_classes=2)
+    assert torch.equal(from_dataset.x, x[300:]) and torch.equal(from_dataset.y, y[300:])
+    assert dpdro.evaluate(run, from_dataset)["accuracy"] == result.summary["test_accuracy"]
+    with pytest.raises(ValueError, match="num_classes must be declared"):
+        dpdro.records(torch.utils.data.TensorDataset(x, y))
     # the command line says how to evaluate such a run instead of loading mnist-st
     assert main(["evaluate", "--run", str(run)]) == 2
     assert "trained on records passed to dpdro.fit(data=...) from Python" in capsys.readouterr().err

@@ -185,15 +185,31 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve())})
     check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work
     cfg = pin_data_paths(cfg)  # the clear DataError now, not from inside the ServerApp after Flower started
+    summary_path = RunDir(cfg.out_dir).summary
+    summary_path.unlink(missing_ok=True)
+    run_app(app_dir, run_config_string(cfg), cfg.num_clients, stream=stream, timeout=timeout,
+            keep_superlink=keep_superlink, check=lambda: summary_path.exists() or f"wrote no {summary_path}")
+    return read_json(summary_path)
+
+
+def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool = False,
+            timeout: float = 24 * 3600, keep_superlink: bool = False, check=None,
+            flwr_home: Path | None = None) -> None:
+    """Run any Flower app (``app_dir``, e.g. dpdro itself or ``simulations/fedavg_app``) with ``flwr run`` on
+    ``num_supernodes`` simulated SuperNodes (one CPU each) of this process's own SuperLink, with the run config
+    string ``run_config``, and wait until it finishes. ``check()`` (optional), called after the run completed,
+    returns True or the reason the run is not complete. Raises SimulationError if the run does not complete or
+    the check fails; the SuperLink is stopped as in ``run_simulation``. FLWR_HOME: ``flwr_home``, else the
+    environment's, else ``<app_dir>/.flwr``."""
     env = dict(os.environ)
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
     flwr_home = Path(env.setdefault("FLWR_HOME", str(app_dir / ".flwr"))).resolve()
     env["FLWR_HOME"] = str(flwr_home)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    summary_path = RunDir(cfg.out_dir).summary
-    summary_path.unlink(missing_ok=True)
-    fed = f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1"
+    fed = f"num-supernodes={num_supernodes} client-resources-num-cpus=1"
     log_proc = None
     ok = False
     with stop_on_signals():
@@ -201,7 +217,7 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
             link = _our_superlink(flwr_home, env)
             cli_env = {**env, "FLWR_HOME": str(link.cli_home)}  # the flwr CLI sees only the dpdro-local connection
             out = subprocess.run(_flwr("run", str(app_dir), CONNECTION, "--format", "json", "--federation-config",
-                                       fed, "--run-config", run_config_string(cfg)),
+                                       fed, "--run-config", run_config),
                                  env=cli_env, capture_output=True, text=True, timeout=300)
             run_id = started_run_id(out)
             if run_id is None:
@@ -221,10 +237,10 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
                 tail = subprocess.run(_flwr("log", run_id, CONNECTION, "--show"), env=cli_env, capture_output=True,
                                       text=True, timeout=60).stdout[-3000:]
                 raise SimulationError(f"Flower run {run_id} ended with status {status!r} {details}\n{tail}")
-            if not summary_path.exists():
-                raise SimulationError(f"Flower run {run_id} completed but wrote no {summary_path}")
+            reason = check() if check is not None else True
+            if reason is not True:
+                raise SimulationError(f"Flower run {run_id} completed but {reason}")
             ok = True
-            return read_json(summary_path)
         finally:
             if log_proc is not None:
                 stop_tree([log_proc.pid], grace=5.0)

@@ -328,8 +328,13 @@ def bench_flower(opts: BenchOptions) -> dict:
     threads_before = torch.get_num_threads()
     runs = {"single": [], "flower": []}
     params = {}
-    order = ["single", "flower"] if opts.quick else ["single", "flower", "flower", "single"]
+    order = ["single", "flower", "fedavg"] if opts.quick else ["single", "flower", "fedavg", "fedavg", "flower",
+                                                               "single"]
+    fedavg_rounds: list[float] = []
     for i, kind in enumerate(order):
+        if kind == "fedavg":
+            fedavg_rounds += fedavg_simulation_rounds(base["num-clients"], iters, tmp / f"fedavg{i}.json")
+            continue
         cfg = Config.from_mapping({**base, "out-dir": str(tmp / f"{kind}{i}")})
         t0 = time.perf_counter()
         if kind == "single":
@@ -350,7 +355,21 @@ def bench_flower(opts: BenchOptions) -> dict:
             "ratio_per_iteration": med["flower"]["per_iteration"] / med["single"]["per_iteration"],
             "overhead_per_round": (med["flower"]["per_iteration"] - med["single"]["per_iteration"])
             / rounds_per_iteration,
-            "params_max_abs_diff": float(np.max(np.abs(params["flower"] - params["single"])))}
+            "params_max_abs_diff": float(np.max(np.abs(params["flower"] - params["single"]))),
+            "fedavg_round": statistics.median(fedavg_rounds), "fedavg_rounds": fedavg_rounds}
+
+
+def fedavg_simulation_rounds(nodes: int, rounds: int, out_file: Path, dim: int = 26106) -> list[float]:
+    """Seconds of each round of Flower's own FedAvg (``simulations/fedavg_app``: a float32 array of ``dim``
+    values to every node and back, no training) on the same simulation engine as (d): ``nodes`` simulated
+    SuperNodes, one CPU each. The floor of a simulated message round that no app of Flower's avoids."""
+    from ..launch.simulate import run_app
+
+    app = Path(__file__).resolve().parent / "fedavg_app"
+    run_app(app, f"num-rounds={rounds} dim={dim} min-nodes={nodes} out-file='{out_file}'", nodes,
+            timeout=1200, flwr_home=Path(__file__).resolve().parent.parent / ".flwr",
+            check=lambda: out_file.exists() or f"wrote no {out_file}")
+    return json.loads(out_file.read_text())["round_seconds"]
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -430,6 +449,10 @@ def ratio_rows(res: dict) -> list[tuple[str, str, float, str, str]]:
                   _verdict(f["ratio_raw"], 1.2)),
                  ("d-iter", "Flower simulation / single node, per iteration (no start-up)",
                   f["ratio_per_iteration"], "<= 1.2", _verdict(f["ratio_per_iteration"], 1.2))]
+        if "fedavg_round" in f:
+            rows.append(("d-floor", "seconds Flower adds per round to ours / a round of Flower's own FedAvg on "
+                         "the same simulation (no training)", f["overhead_per_round"] / f["fedavg_round"], "-",
+                         "-"))
     elif "flower_error" in res:
         rows.append(("d", "Flower simulation / single node (the Flower run FAILED, see notes)", math.nan, "<= 1.2",
                      "NOT measured"))
@@ -559,7 +582,10 @@ def _notes(res: dict) -> list[str]:
                        f"{f['overhead_per_round']:.3f} s per round (2 rounds per iteration) to a single-node "
                        f"iteration of {f['median']['single']['per_iteration']:.3f} s; the simulation engine's node "
                        "side polls for messages every 0.1 s (FLOWER.md section 6), a floor no payload reduction "
-                       "removes. The ratio falls as per-round compute grows (larger batches or models).")
+                       "removes. The ratio falls as per-round compute grows (larger batches or models)."
+                       + (f" Flower's own FedAvg, which trains nothing, took {f['fedavg_round']:.3f} s per round "
+                          f"(median of {len(f['fedavg_rounds'])}) on the same simulation in this run."
+                          if "fedavg_round" in f else ""))
     if "flower_error" in res:
         out.append("- (d) not measured: the Flower simulation failed in this run: `"
                    + " ".join(res["flower_error"].split()) + "`")

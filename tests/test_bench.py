@@ -124,3 +124,13 @@ def test_tiny_bench_run_has_every_ratio(tmp_path):
     for key in ("(a)", "(b)", "(c)", "(e)", "not measured here", "Versions:"):
         assert key in text
     assert doc.with_suffix(".json").exists()
+
+
+@pytest.mark.flower
+def test_fedavg_floor_runs_flowers_own_fedavg_on_the_simulation(tmp_path):
+    """(d)'s floor: Flower's FedAvg app on the same simulation engine gives one positive duration per round
+    (through launch.simulate.run_app, which also runs dpdro's own simulations)."""
+    from dpdro.simulations.bench import fedavg_simulation_rounds
+
+    rounds = fedavg_simulation_rounds(2, 3, tmp_path / "fedavg.json", dim=10)
+    assert len(rounds) == 3 and all(0.0 < r < 120.0 for r in rounds), rounds

@@ -4,8 +4,9 @@
   Flower node id, which changes between runs). Shard sizes reported there give n, treated as public.
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
-- Messages are pushed and pulled with a short poll interval and a deadline (``round-timeout``), not
-  ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is unbounded.
+- Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.1 s) and a deadline
+  (``round-timeout``), not ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is
+  unbounded.
 - With ``secure=True`` (noise-mode=distributed) a round whose queries carry client noise goes through SecAgg+
   (server/flower/secagg.py): the server receives only the sum of the nodes' noised sums, as one reply per query
   (partition -1) counting the nodes in it; nodes that dropped out are reported as failed partitions.
@@ -28,7 +29,12 @@ from ...common.transport import ClientFailure, RoundResult
 from .secagg import SecAggRange, SecureRound
 
 log = logging.getLogger(__name__)
+# Reply polls back off from POLL_SECONDS to POLL_MAX_SECONDS (x POLL_GROWTH each empty pull): a fast round is
+# seen within ~10 ms, and a deployment round of seconds costs a few pulls per second instead of 100 HTTPS requests
+# per second, whose CPU on a small machine slowed the nodes' own ClientApp processes.
 POLL_SECONDS = 0.01
+POLL_MAX_SECONDS = 0.1
+POLL_GROWTH = 1.5
 
 
 class FlowerTransport:
@@ -87,6 +93,7 @@ class FlowerTransport:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + self.timeout
         pending = set(ids)
+        delay = POLL_SECONDS
         while pending:
             for r in self.grid.pull_messages(list(pending)):
                 mid = r.metadata.reply_to_message_id
@@ -102,7 +109,8 @@ class FlowerTransport:
                     errors[ids[m]] = f"no reply within {self.timeout:g} s ({message_type})"
                 break
             if pending:
-                time.sleep(POLL_SECONDS)
+                time.sleep(delay)
+                delay = min(delay * POLL_GROWTH, POLL_MAX_SECONDS)
         return out, errors
 
     @property

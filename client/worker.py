@@ -54,7 +54,7 @@ class ShardWorker:
         else:
             base = make_model(resolve_model(cfg.model, cfg.dataset), shard.num_classes, cfg.seed, self.dtype,
                               tuple(shard.x.shape[1:]))
-        self.model = FlatModel(base.to(self.device))
+        self.model = FlatModel(base.to(self.device), cfg.per_record_engine)
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
         self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None

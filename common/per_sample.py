@@ -1,10 +1,15 @@
-"""Per-record losses and gradients with torch.func, on a flat parameter vector; per-record clipping.
+"""Per-record losses and gradients on a flat parameter vector; per-record clipping.
 
 A model's parameters are handled as one flat vector x in R^d (the order of ``named_parameters``), which
-keeps the algorithms' updates plain vector arithmetic. Per-record gradients are computed with torch.func,
-``vmap(grad(...))`` over records (no Python loop over records); callers chunk large batches to bound memory.
-A hand-written per-layer engine (Opacus-style outer products) was measured faster on this CPU (see
-docs/PERFORMANCE.md) but is not used: per-record gradients are generic machinery that torch.func maintains.
+keeps the algorithms' updates plain vector arithmetic. Per-record gradients come from a well-kept library,
+one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-record-engine``):
+
+- 'torch.func' (default): ``vmap(grad(...))`` over records (no Python loop over records);
+- 'opacus': Opacus' grad-sample hooks (``opacus.GradSampleModule``, per-layer outer products), which
+  ``dpdro bench`` measures against torch.func per model and device (docs/PERFORMANCE.md). Needs opacus installed.
+
+Both give the same gradients up to rounding (tests/test_per_sample.py checks 1e-6). Callers chunk large batches
+to bound memory.
 """
 
 from __future__ import annotations
@@ -16,15 +21,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+ENGINES = ("torch.func", "opacus")
+
 
 class FlatModel:
     """Functional view of ``module`` with parameters as one flat vector.
 
     Args:
         module: a validated model (see ``models.validate_model``); its buffers are used as they are.
+        engine: per-record gradient engine, one of ``ENGINES`` (module docstring). ValueError otherwise.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, engine: str = "torch.func") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"per-record engine {engine!r}; allowed: {', '.join(map(repr, ENGINES))}")
+        if engine == "opacus":
+            try:
+                import opacus  # noqa: F401 - fail here, before any work, not at the first release
+            except ImportError as e:
+                raise ImportError("per-record engine 'opacus' (config key per-record-engine) needs opacus, which is "
+                                  "not installed here: pip install opacus==1.6.0, or use 'torch.func'") from e
+        self.engine = engine
+        self._hooked: nn.Module | None = None  # the opacus engine's hooked copy of module (built on first use)
         self.module = module
         named = list(module.named_parameters())
         self.names = [n for n, _ in named]
@@ -56,8 +74,10 @@ class FlatModel:
 
     def losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                          offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, vectorised with torch.func;
+        """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, by this model's engine;
         ``offset`` (K,) as in ``losses``."""
+        if self.engine == "opacus":
+            return self._opacus_losses_and_grads(flat, x, y, offset)
 
         def one(p: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             out = functional_call(self.module, (self.unflatten(p), self.buffers), (xi.unsqueeze(0),))
@@ -65,6 +85,38 @@ class FlatModel:
 
         grads, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(flat, x, y)
         return losses, grads
+
+    def _opacus_losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                                 offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 'opacus' engine: a private copy of the module wrapped in Opacus' ``GradSampleModule`` (loss
+        reduction 'sum': the gradient of sum_i loss_i leaves each record's own gradient in ``grad_sample``), its
+        parameters set to ``flat``; one forward and backward over the batch."""
+        import copy
+        import warnings
+
+        if self._hooked is None:
+            from opacus import GradSampleModule
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._hooked = GradSampleModule(copy.deepcopy(self.module), batch_first=True, loss_reduction="sum")
+        params = list(self._hooked.parameters())
+        with torch.no_grad():
+            for p, v in zip(params, self.unflatten(flat).values(), strict=True):
+                p.copy_(v)
+        for p in params:
+            p.grad_sample = None
+            p.grad = None
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus' hooks, harmless
+            out = self._hooked(x)
+            losses = F.cross_entropy(out if offset is None else out + offset, y, reduction="none")
+            losses.sum().backward()
+        grads = torch.cat([p.grad_sample.reshape(x.shape[0], -1) for p in params], dim=1)
+        for p in params:  # free the (B, ...) per-layer copies now
+            p.grad_sample = None
+            p.grad = None
+        return losses.detach(), grads
 
 
 # Entries per partial sum of squares in ``norm_upper_bound``. Any summation order of b non-negative floats

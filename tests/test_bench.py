@@ -114,14 +114,16 @@ def test_tiny_bench_run_has_every_ratio(tmp_path):
     res = run_bench(BenchOptions(quick=True, batch=16, chunk_size=8, repeats=2, flower=False, doc=str(doc),
                                  sweep=[("cnn", 16, 8), ("resnet20", 4, 2)]), log=lambda s: None)
     rows = {k: v for k, _, v, _, _ in ratio_rows(res)}
-    assert set(rows) == {"a", "b", "c", "e"}
+    assert set(rows) == {"a", "b", "c", "c-torch.func", "c-opacus", "e"}
+    assert rows["c"] == min(rows["c-torch.func"], rows["c-opacus"])  # (c) is the faster engine's
+    assert res["steps"]["chosen_engine"] in ("torch.func", "opacus")
     for k, v in rows.items():
         assert math.isfinite(v) and v > 0, (k, v)
     assert res["ledger"]["releases"] == 10_000 and math.isfinite(res["ledger"]["epsilon"])
     assert [(r["model"], r["batch"], r["chunk"]) for r in res["sweep"]] == [("cnn", 16, 8), ("resnet20", 4, 2)]
     assert all(np.isfinite([r["seconds"], r["peak_mib"]]).all() for r in res["sweep"])
     text = doc.read_text()
-    for key in ("(a)", "(b)", "(c)", "(e)", "not measured here", "Versions:"):
+    for key in ("(a)", "(b)", "(c)", "(c-opacus)", "(e)", "not measured here", "Versions:", "per-record-engine="):
         assert key in text
     assert doc.with_suffix(".json").exists()
 

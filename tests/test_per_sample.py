@@ -129,18 +129,21 @@ def test_difference_equals_difference_of_single_record_autograd(setup, name, alp
     assert torch.all((gx1 - gx0).norm(dim=1) > 1e-4)
 
 
+@pytest.mark.parametrize("engine", ["torch.func", "opacus"])
 @pytest.mark.parametrize("clip", [math.inf, 0.05])
-def test_worker_difference_sum_equals_autograd(setup, clip):
+def test_worker_difference_sum_equals_autograd(setup, clip, engine):
     """ShardWorker.answer of a difference query at rate 1 (every record sampled): the sum over records of
-    clip(value at points[0] - value at points[1])."""
+    clip(value at points[0] - value at points[1]), with either per-record gradient engine."""
     module, fm, x, y, flat0, flat1 = setup
     cfg = Config.from_mapping({"dtype": "float64", "seed": SEED, "psi": "chi2", "lambda": 0.7,
-                               "eta-scale": 2.0, "reproducible": True, "chunk-size": 4})
+                               "eta-scale": 2.0, "reproducible": True, "chunk-size": 4,
+                               "per-record-engine": engine})
     worker = ShardWorker(cfg, ArrayDataset(x, y, 10, "synthetic"), partition=0)
     eta0, eta1 = 1.0, 1.2
     query = Query(iteration=5, mechanism="x-diff", quantity="dual-x",
                   points=(Point(1, eta1), Point(0, eta0)), rate=1.0, clip=clip, dim=fm.dim)
     reply = worker.answer(query, {0: flat0.numpy(), 1: flat1.numpy()})
+    assert worker.model.engine == engine
     assert reply.count == B and reply.qid == "5:x-diff" and reply.total.shape == (fm.dim,)
     problem = Problem(psi=make_psi("chi2"), lam=0.7, eta_scale=2.0)
     diffs = (single_records(module, flat1, x, y, eta1, problem)[1]
@@ -230,3 +233,26 @@ def test_make_model_deterministic_in_seed():
     assert make_model("cnn", 3, 7)(torch.zeros(1, 1, 28, 28)).shape == (1, 3)
     with pytest.raises(ValueError, match="allowed"):
         make_model("resnet", 10, 0)
+
+
+@pytest.mark.parametrize(("name", "shape", "dtype", "tol"), [
+    ("cnn", (1, 28, 28), torch.float32, 1e-6), ("cnn32", (3, 32, 32), torch.float32, 1e-6),
+    ("cnn", (1, 28, 28), torch.float64, 1e-10), ("mlp", (5,), torch.float64, 1e-12)])
+def test_opacus_engine_equals_torch_func(name, shape, dtype, tol):
+    """The two per-record gradient engines (per_sample.ENGINES) give the same losses and per-record gradients,
+    with and without a logit offset, at two parameter points in a row (the hooked copy is re-pointed)."""
+    module = make_model(name, 10, 2, dtype, shape) if name == "mlp" else make_model(name, 10, 2, dtype)
+    func, hooks = FlatModel(module, "torch.func"), FlatModel(module, "opacus")
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.rand(7, *shape, generator=gen, dtype=torch.float64) * 2 - 1).to(dtype)
+    y = torch.randint(0, 10, (7,), generator=gen)
+    flat0 = func.initial()
+    for flat, offset in ((flat0, None), (flat0 + 0.05 * torch.randn(flat0.shape, generator=gen).to(dtype),
+                                         torch.linspace(-1, 1, 10, dtype=dtype))):
+        (la, ga), (lb, gb) = func.losses_and_grads(flat, x, y, offset), hooks.losses_and_grads(flat, x, y, offset)
+        assert ga.shape == gb.shape == (7, func.dim)
+        torch.testing.assert_close(lb, la, rtol=tol, atol=tol)
+        torch.testing.assert_close(gb, ga, rtol=tol, atol=tol)
+        assert float(ga.abs().max()) > 1e-3  # not trivially zero
+    with pytest.raises(ValueError, match="per-record engine 'jax'; allowed: 'torch.func', 'opacus'"):
+        FlatModel(module, "jax")

@@ -14,8 +14,9 @@ worker* (``client/flower/warm.py``), a long-lived process that keeps torch, the 
 messages (node config ``warm-seconds``; where it cannot be reached the ClientApp computes the reply itself).
 The node's shard is written once to a local file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the
 configuration keys that shape the data, and the partition) and read from there later instead of rebuilding the
-data set. The file stays on the node. A site's own ``data-root`` and ``cache-dir`` may be given in its node config (``flower-supernode
---node-config 'data-root="/data" ...'``); they override the run config's values on that node.
+data set. The file stays on the node. A site's own ``data-root`` and ``cache-dir`` may be given in its node
+config (``flower-supernode --node-config 'data-root="/data" ...'``); they override the run config's values on
+that node.
 
 Node-local data (config key ``partition = "node-local"``): the node's shard is every record of the data its node
 config points at (``data-root``, required then; ``dataset`` optional, checked against the run's), read on the

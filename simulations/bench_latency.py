@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"shared with other jobs, see the load average).\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
         path = Path(args.write)
         old = path.read_text() if path.is_file() else ""
-        kept = old[old.index(CONTAINERS_HEADING):] if CONTAINERS_HEADING in old else ""  # containers: separate runs
+        kept = "\n" + old[old.index(CONTAINERS_HEADING):] if CONTAINERS_HEADING in old else ""  # separate runs
         path.write_text(text + kept)
         print(f"wrote {args.write}")
     return 0

@@ -56,5 +56,5 @@ def test_a_slow_round_costs_few_pulls_and_is_seen_promptly(monkeypatch):
     transport = FlowerTransport(grid, 2, timeout=30.0)  # the 'hello' round
     waited = time.monotonic() - t0
     assert transport.sizes == {0: 5, 1: 5} and transport.num_records == 10
-    assert grid.pulls <= 25, f"{grid.pulls} pulls for one 1.5 s round (a fixed 10 ms poll makes ~150)"
+    assert grid.pulls <= 45, f"{grid.pulls} pulls for one 1.5 s round (a fixed 10 ms poll makes ~150)"
     assert 1.5 <= waited <= 1.5 + POLL_MAX_SECONDS + 1.0  # seen within one longest poll (+ slack for a busy machine)

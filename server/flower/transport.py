@@ -4,7 +4,7 @@
   Flower node id, which changes between runs). Shard sizes reported there give n, treated as public.
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
-- Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.1 s) and a deadline
+- Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.05 s) and a deadline
   (``round-timeout``), not ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is
   unbounded.
 - With ``secure=True`` (noise-mode=distributed) a round whose queries carry client noise goes through SecAgg+
@@ -30,10 +30,10 @@ from .secagg import SecAggRange, SecureRound
 
 log = logging.getLogger(__name__)
 # Reply polls back off from POLL_SECONDS to POLL_MAX_SECONDS (x POLL_GROWTH each empty pull): a fast round is
-# seen within ~10 ms, and a deployment round of seconds costs a few pulls per second instead of 100 HTTPS requests
-# per second, whose CPU on a small machine slowed the nodes' own ClientApp processes.
+# seen within ~10 ms, and a deployment round of several seconds costs at most 20 HTTPS pulls of the SuperLink per
+# second instead of 100 (CPU the SuperLink and ServerApp take from a small machine's nodes; not measured apart).
 POLL_SECONDS = 0.01
-POLL_MAX_SECONDS = 0.1
+POLL_MAX_SECONDS = 0.05
 POLL_GROWTH = 1.5
 
 

@@ -156,3 +156,31 @@ def test_warm_socket_folder_must_be_private(tmp_path, monkeypatch):
     os.chmod(tmp_path / f"dpdro-warm-{os.getuid()}", 0o755)
     with pytest.raises(PermissionError, match="is not a private folder"):
         warm.socket_dir()
+
+
+def test_clientapp_computes_itself_when_the_warm_worker_is_off_or_unreachable(monkeypatch):
+    """node config warm-seconds=0 never contacts a warm worker; an unreachable one (WarmUnavailable) makes the
+    ClientApp compute the reply itself (None here); an error of the computation itself is raised unchanged."""
+    from flwr.app import Context, RecordDict
+
+    from dpdro.client.flower import app, warm
+
+    calls = []
+
+    def fake_call(ep, idle, watch_pid, request):
+        calls.append((idle, request["op"]))
+        raise behaviour.pop(0)
+
+    monkeypatch.setattr(warm, "in_deployment", lambda: True)
+    monkeypatch.setattr(warm, "call", fake_call)
+    monkeypatch.setattr(warm.Endpoint, "for_node", classmethod(lambda cls, node_id, watch_pid: cls("x", Path("/"))))
+
+    def context(node_config):
+        return Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+
+    assert app._on_warm_worker(context({"warm-seconds": 0}), {"op": "records"}) is None and calls == []
+    behaviour = [warm.WarmUnavailable("did not answer"), KeyError("missing model versions [3]")]
+    assert app._on_warm_worker(context({"warm-seconds": 5}), {"op": "records"}) is None
+    with pytest.raises(KeyError, match="missing model versions"):
+        app._on_warm_worker(context({}), {"op": "answer"})
+    assert calls == [(5.0, "records"), (warm.DEFAULT_IDLE_SECONDS, "answer")]

@@ -346,6 +346,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     root, configs = Path(args.root), Path(args.configs)
+    if args.probe is not None:
+        return _tune_probe(args, root)
     if args.transfer_from:  # no trial runs: docs/TUNING.md (the trials of searches) is left as it is
         for ds in args.dataset:
             for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
@@ -365,6 +367,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"no search under {root}: {Path(args.docs) / 'TUNING.md'} left as it is")
         return 0
     print(f"report: {tuning_report(entries, args.methods, root, Path(args.docs))}")
+    return 0
+
+
+def _tune_probe(args: argparse.Namespace, root: Path) -> int:
+    """dpdro tune --probe: one hand-set point of one method, a trial's protocol, outside the search."""
+    from dpdro.common.config import parse_set_args
+    from dpdro.simulations.tune import run_probe
+
+    if len(args.methods) != 1 or len(args.dataset) != 1:
+        print("dpdro: error: --probe runs one point: give exactly one --methods and one --dataset, got "
+              f"{args.methods} and {args.dataset}", file=sys.stderr)
+        return 2
+    s = run_probe(args.dataset[0], args.epsilon, args.methods[0], parse_set_args(args.probe), root, args.seed)
+    per_class = ", ".join(f"{a:.3f}" for a in s["per_class_accuracy"])
+    print(f"probe {args.methods[0]} (outside the search; {s['eval_split']} split, seed {s['seed']}): accuracy "
+          f"{s['test_accuracy']:.4f}, worst {s['worst_class_accuracy']:.4f}; per class {per_class}")
     return 0
 
 
@@ -577,6 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "must exist): each method keeps its searched keys, batch sizes scale and the other keys "
                         "(e.g. CelebA's 300 iterations) follow the target; the target's data are not looked at "
                         "and docs/TUNING.md is not touched")
+    s.add_argument("--probe", nargs="*", metavar="KEY=VALUE",
+                   help="run nothing of the search: train one hand-set point of one --methods with a trial's "
+                        "protocol (validation split, trial length, the method's fixed keys), outside the budget "
+                        "(not recorded, chooses nothing; a diagnostic); --seed is the run's seed here")
     s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="privacy audits: white-box canaries per release (--mode canary) or membership "
                                      "inference (--mode mia: loss threshold, LiRA); writes docs/AUDIT.md")

@@ -53,6 +53,7 @@ implemented.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import multiprocessing
 import os
@@ -474,6 +475,27 @@ def select_winner(records: list[dict], seeds: int) -> dict | None:
     None when none is."""
     full = [r for r in records if r["seeds"] >= max(1, seeds)]
     return max(full, key=lambda r: (r["score"], -r["trial"])) if full else None
+
+
+def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path, seed: int = 0) -> dict:
+    """Train one hand-set point of ``method`` with a trial's protocol (``trial_config``: the validation split, the
+    trial length, the method's FIXED keys; ``keys`` override the rest) *outside* the search: it is not recorded in
+    the study, does not count towards any budget and chooses nothing. For diagnostics (e.g. a method at another
+    method's setting). Runs in <root>/<dataset>/eps<e>/probes/<method>-<12 hex digits of the keys> (resumed if
+    unfinished) and returns its summary.json. Raises ConfigError for an unknown key or bad value, before any work."""
+    import hashlib
+
+    from .runner import run_one
+
+    tag = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = search_dir(root, dataset, epsilon) / "probes" / f"{method}-{tag}"
+    default_batch = Config.from_mapping({}).refresh_batch  # a trial always draws one; a probe may leave it out
+    cfg = trial_config(dataset, epsilon, method, {"refresh-batch": default_batch, **keys}, out, seed)
+    if not (out / "summary.json").exists():
+        from ..server.rundir import continue_keys
+
+        run_one({**cfg.to_dict(), **continue_keys(out)})
+    return json.loads((out / "summary.json").read_text())
 
 
 def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, configs: Path,

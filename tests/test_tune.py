@@ -302,3 +302,36 @@ def test_command_line_runs_the_search_with_its_budget(tmp_path, fake):
     assert "(per method: 2 TPE trials of at most 500 iterations, top 1 confirmed on 2 seeds)" in (
         docs / "TUNING.md").read_text()
     assert main([*args[:3], "--trials", "1", *args[5:]]) == 2  # a smaller budget: a clear error, exit status 2
+
+
+def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_path, monkeypatch, capsys):
+    """dpdro tune --probe: the trial's protocol (validation split, trial length, the method's fixed keys) with the
+    given keys on top, in probes/ under the search folder, resumed rather than rerun, and no study written."""
+    from dpdro.cli import main
+    from dpdro.simulations import runner
+
+    calls = []
+
+    def fake_run_one(values, progress=None):
+        calls.append(values)
+        out = Path(values["out-dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({
+            "eval_split": values["eval-split"], "seed": values["seed"], "test_accuracy": 0.9,
+            "worst_class_accuracy": 0.5, "per_class_accuracy": [0.5, 1.0]}))
+        return str(out), None
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    args = ["tune", "--dataset", DS, "--methods", "dp-double-spider", "--root", str(tmp_path), "--probe",
+            "dro-reference=uniform", "lambda=0.5", "q=1"]
+    assert main(args) == 0
+    (values,) = calls
+    assert values["eval-split"] == "validation" and values["iterations"] == tune.trial_iterations(DS)
+    assert values["dro-level"] == "group" and values["eta-clip-rule"] == "weight-bound"  # the method's fixed keys
+    assert values["dro-reference"] == "uniform" and values["lambda"] == 0.5 and values["q"] == 1
+    assert Path(values["out-dir"]).parent == tune.search_dir(tmp_path, DS, 4.0) / "probes"
+    assert "accuracy 0.9000, worst 0.5000; per class 0.500, 1.000" in capsys.readouterr().out
+    assert main(args) == 0 and len(calls) == 1  # finished: not run again
+    assert not (tune.search_dir(tmp_path, DS, 4.0) / "optuna.journal").exists()
+    assert main([*args[:-1], "q=7.5"]) == 2 and len(calls) == 1  # a bad value: refused before any run
+    assert main(["tune", "--methods", "dp-sgd", "dp-sgda", "--root", str(tmp_path), "--probe", "q=1"]) == 2

@@ -111,6 +111,14 @@ def _comparable(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in RUNTIME_KEYS}
 
 
+def check_groups(cfg: Config, num_groups: int) -> None:
+    """Refuse dro-groups=attribute on a data set that declares no group attribute (num_groups 0), before any
+    release: ConfigError naming the key, the data set and what is allowed."""
+    if cfg.uses_group_priors and num_groups == 0:
+        raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
+                          "attribute (allowed: 'class', or a data set with groups such as celeba)")
+
+
 def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
     """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
@@ -156,9 +164,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
     model = FlatModel(module if module is not None else
                       make_model(factory, test.num_classes, cfg.seed, dtype, input_shape))
-    if cfg.uses_group_priors and test.num_groups == 0:
-        raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
-                          "attribute (allowed: 'class', or a data set with groups such as celeba)")
+    check_groups(cfg, test.num_groups)
     algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")

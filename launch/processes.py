@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ..common.process_state import alive
+
 HOST = "127.0.0.1"
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 # Seconds a child gets between SIGTERM and SIGKILL. Short on purpose: measured on a loopback deployment and a
@@ -73,15 +75,6 @@ def descendants(pid: int, table: dict[int, list[int]] | None = None) -> list[int
         out += kids
         todo += kids
     return out
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _listening_inodes(port: int) -> set[str]:

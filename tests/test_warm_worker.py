@@ -52,11 +52,11 @@ def _daemon_pids(log_file: Path) -> list[int]:
 
 
 def _wait_gone(pid: int, seconds: float) -> bool:
-    from dpdro.client.flower.warm_daemon import _alive
+    from dpdro.common.process_state import alive
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.1)
     return False

@@ -25,6 +25,8 @@ import signal
 import threading
 import time
 
+from ...common.process_state import alive
+
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 0.5  # how often the watched process and the idle time are checked
 
@@ -41,14 +43,6 @@ def handle(request: dict):
     if request["op"] == "answer":
         return [worker.answer(q, request["versions"]) for q in request["queries"]]
     raise ValueError(f"warm worker request op={request['op']!r}; allowed: 'records', 'answer'")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 class Server:
@@ -97,8 +91,9 @@ class Server:
             time.sleep(WATCH_SECONDS)
             with self.lock:
                 idle_for = time.monotonic() - self.last if self.busy == 0 else 0.0
-            if not _alive(self.watch_pid) or (self.idle > 0 and idle_for > self.idle):
-                log.info("exiting: %s", "watched process gone" if not _alive(self.watch_pid) else "idle")
+            watched_gone = not alive(self.watch_pid)
+            if watched_gone or (self.idle > 0 and idle_for > self.idle):
+                log.info("exiting: %s", "watched process gone" if watched_gone else "idle")
                 self.close()
                 os._exit(0)  # accept() blocks in the main thread; nothing else needs flushing
 

@@ -22,7 +22,7 @@ from dpdro.common.per_sample import FlatModel, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem
 from dpdro.server.algorithms import make_algorithm
-from dpdro.server.algorithms.group_dro import GroupDoubleSpider, GroupRecursiveSpider, solve_eta
+from dpdro.server.algorithms.group_dro import GroupDoubleSpider, GroupRecursiveSpider, averaging_weight, solve_eta
 from dpdro.server.engine import train
 
 N, K = 30, 10
@@ -235,3 +235,30 @@ def test_dro_level_selects_the_group_variant_under_the_algorithm_name(algorithm,
     assert cfg.uses_priors  # the setup releases (and charges) the class histogram
     with pytest.raises(ValueError, match="priors"):
         algo.start_state(np.zeros(5), None, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(beta=st.floats(0.001, 1.0), steps=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_group_loss_average_is_the_bias_corrected_exponential_average(beta, steps, seed):
+    """dp-double-spider's group-loss average (averaging_weight) equals the closed form
+    sum_s beta (1 - beta)^(t - s) m_s / (1 - (1 - beta)^(t + 1)): weights that sum to 1 and do not favour the
+    first release; beta = 1 is no averaging."""
+    m = np.random.default_rng(seed).normal(size=(steps, K))
+    avg = np.zeros(K)
+    for t in range(steps):
+        avg = avg + averaging_weight(beta, t) * (m[t] - avg)
+    t = steps - 1
+    coef = beta * (1 - beta) ** (t - np.arange(steps)) / (1 - (1 - beta) ** steps)
+    assert coef.sum() == pytest.approx(1.0)
+    np.testing.assert_allclose(avg, coef @ m, rtol=1e-9, atol=1e-9)
+    if beta == 1.0:
+        np.testing.assert_array_equal(avg, m[-1])
+
+
+def test_group_loss_average_is_the_running_mean_early():
+    """With t << 1/beta the average is the running mean: the first release weighs 1/(t + 1), not (1 - beta)^t."""
+    m = np.arange(5.0)[:, None] * np.ones(K)
+    avg = np.zeros(K)
+    for t in range(5):
+        avg = avg + averaging_weight(1e-4, t) * (m[t] - avg)
+    np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-3)

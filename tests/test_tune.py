@@ -335,3 +335,7 @@ def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_pat
     assert not (tune.search_dir(tmp_path, DS, 4.0) / "optuna.journal").exists()
     assert main([*args[:-1], "q=7.5"]) == 2 and len(calls) == 1  # a bad value: refused before any run
     assert main(["tune", "--methods", "dp-sgd", "dp-sgda", "--root", str(tmp_path), "--probe", "q=1"]) == 2
+    # the batch as the CLI gives it (text): the protocol scales it and halves it for the difference batch
+    assert main([*args, "refresh-batch=1024"]) == 0 and len(calls) == 2
+    assert (calls[-1]["refresh-batch"], calls[-1]["diff-batch"], calls[-1]["s-batch"]) == (1024, 512, 1024)
+    assert main([*args, "refresh-batchh=1024"]) == 2 and len(calls) == 2  # an unknown key: refused

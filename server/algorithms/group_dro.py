@@ -17,7 +17,8 @@ Each iteration makes two releases in two rounds, both over independent Poisson b
      the difference at x_t and x_{t-1} clipped at min(C_diff ||x_t - x_{t-1}||, B)) and smooths the estimate by
      an exponential average of weight beta (post-processing); recursive-spider by STORM ('group-storm':
      m_t = noisy mean of e_y (c(l_t) - (1 - beta) c(l_{t-1})) + (1 - beta) m_{t-1}, clip
-     min(beta B + C_diff ||x_t - x_{t-1}||, B); t = 0: the plain mean, clip B).
+     min(beta B + C_diff ||x_t - x_{t-1}||, B); t = 0: the plain mean, clip B). dp-double-spider's average is
+     bias-corrected (``averaging_weight``): a running mean of the releases while t << 1/beta.
      The group losses are l^_k = min(max(m_k / pi_k, 0), B), pi the class priors of the private histogram
      released (and charged) before training.
   then the weights (public functions of released values only):
@@ -222,6 +223,15 @@ class GroupDro(Algorithm):
         return self.cfg.lambda_
 
 
+def averaging_weight(beta: float, t: int) -> float:
+    """The weight of release t (t >= 0) in the group losses' exponential average m~_t = m~_{t-1} + beta_t (m_t -
+    m~_{t-1}): beta_t = beta / (1 - (1 - beta)^(t + 1)), the average of weight beta with Adam's bias correction
+    (Kingma & Ba 2015, sec. 3). beta_0 = 1, so m~_0 = m_0; while t << 1/beta it is about 1/(t + 1), the running
+    mean, so the first (noisy) release does not keep the weight (1 - beta)^t that the plain average started at
+    m_0 gives it; later it tends to beta. A public function of t and beta (post-processing)."""
+    return beta / (1.0 - (1.0 - beta) ** (t + 1))
+
+
 def solve_eta(losses: np.ndarray, pi: np.ndarray, psi, lam: float, eta_scale: float, cap: float) -> float:
     """The dual variable eta with sum_k pi_k min(psi*'((l_k - G eta) / lambda), cap) = 1, by bisection (the sum is
     non-increasing in eta and exceeds 1 for eta low enough when cap > 1; ALGORITHMS.md 3.3).
@@ -287,8 +297,7 @@ class GroupDoubleSpider(GroupDro):
     def absorb_losses(self, state, released):
         s = dataclasses.replace(state)
         s.m = released["group-refresh"] if "group-refresh" in released else state.m + released["group-diff"]
-        beta = self.cfg.beta
-        s.m_avg = s.m.copy() if state.t == 0 else (1.0 - beta) * state.m_avg + beta * s.m
+        s.m_avg = state.m_avg + averaging_weight(self.cfg.beta, state.t) * (s.m - state.m_avg)
         return s
 
     def weights(self, state, losses):

@@ -262,3 +262,21 @@ def test_group_loss_average_is_the_running_mean_early():
     for t in range(5):
         avg = avg + averaging_weight(1e-4, t) * (m[t] - avg)
     np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-3)
+
+
+def test_group_loss_noise_profile_counts_the_averaging():
+    """The variance rule sees the averaged group sums: the group releases' update weight is the unaveraged one times
+    beta / (2 - beta), so a smaller beta moves budget from the group losses to the model (lower x multiplier)."""
+    from dpdro.server.allocation import variance_rule
+
+    base = {"algorithm": "dp-double-spider", "dro-level": "group", "dro-reference": "uniform", "psi": "kl",
+            "lambda": 0.5, "q": 1, "epsilon": 4.0}
+    plain = make_algorithm(Config.from_mapping({**base, "beta": 1.0}), 30000, 26000, 10)
+    avg = make_algorithm(Config.from_mapping({**base, "beta": 0.02}), 30000, 26000, 10)
+    for name in ("group-refresh", "group-diff"):
+        assert avg.noise_profiles()[name].weight == pytest.approx(plain.noise_profiles()[name].weight * 0.02 / 1.98)
+    assert avg.noise_profiles()["x-refresh"] == plain.noise_profiles()["x-refresh"]
+    rates = {m.name: m.rate for m in avg.mechanisms()}
+    z_avg, z_plain = variance_rule(rates, avg.noise_profiles()), variance_rule(rates, plain.noise_profiles())
+    ratio = (z_avg["group-refresh"] / z_avg["x-refresh"]) / (z_plain["group-refresh"] / z_plain["x-refresh"])
+    assert ratio == pytest.approx((1.98 / 0.02) ** 0.25)

@@ -325,7 +325,7 @@ FIELDS: tuple[Field, ...] = (
           low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w) (at "
           "dro-level=group: of its group-loss estimate; dp-double-spider at dro-level=group: the weight of the newest "
-          "SPIDER estimate in the exponential average of the group losses).",
+          "SPIDER estimate in the bias-corrected exponential average of the group losses; 0: their running mean).",
           low=0.0, high=1.0, role="algorithm"),
     Field("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
           high=1.0, role="algorithm"),

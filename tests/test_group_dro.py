@@ -262,6 +262,10 @@ def test_group_loss_average_is_the_running_mean_early():
     for t in range(5):
         avg = avg + averaging_weight(1e-4, t) * (m[t] - avg)
     np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-3)
+    avg = np.zeros(K)
+    for t in range(5):  # beta = 0: exactly the running mean
+        avg = avg + averaging_weight(0.0, t) * (m[t] - avg)
+    np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-12)
 
 
 def test_group_loss_noise_profile_counts_the_averaging():
@@ -280,3 +284,6 @@ def test_group_loss_noise_profile_counts_the_averaging():
     z_avg, z_plain = variance_rule(rates, avg.noise_profiles()), variance_rule(rates, plain.noise_profiles())
     ratio = (z_avg["group-refresh"] / z_avg["x-refresh"]) / (z_plain["group-refresh"] / z_plain["x-refresh"])
     assert ratio == pytest.approx((1.98 / 0.02) ** 0.25)
+    mean = make_algorithm(Config.from_mapping({**base, "beta": 0.0, "iterations": 400}), 30000, 26000, 10)
+    assert mean.noise_profiles()["group-refresh"].weight == pytest.approx(
+        plain.noise_profiles()["group-refresh"].weight / 400)  # beta 0: the running mean of T releases

@@ -179,3 +179,14 @@ def test_pyproject_flower_config_equals_defaults():
     assert tomllib.loads(default_toml_table()) == defaults
     # and the table builds the default config
     assert Config.from_mapping(table) == Config.from_mapping({})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "simulations" / "configs").rglob("*.toml")),
+                         ids=lambda p: str(p.relative_to(ROOT / "simulations" / "configs")))
+def test_every_shipped_config_file_is_valid(path):
+    """The config files the README and docs point to (main, tuned, hand-set) load and validate as they are."""
+    from dpdro.common.config import load_toml_keys
+
+    keys = load_toml_keys(path)
+    cfg = Config.from_mapping(keys)
+    assert cfg.algorithm == keys["algorithm"] and cfg.dataset == keys["dataset"]

@@ -116,7 +116,8 @@ _LR_ETA = FloatRange(0.02, 0.5, log=True)  # fixed at 0.1 before issue 22: the d
 _DRO_REFERENCE = Choice(("prior", "uniform"))  # the group divergence's centre (ALGORITHMS.md 3.3)
 _DRO_CLIP = Choice(("product", "weight-after-clip"))
 _WEIGHT_CAP = Choice((1.5, 2.0, 3.0, 10.0))
-_BETA = FloatRange(0.05, 1.0, log=True)  # STORM weight / the group losses' averaging: 1 = no averaging
+_BETA = FloatRange(0.01, 1.0, log=True)  # STORM weight / the group losses' averaging: 1 = no averaging; below 0.05
+# since the average is bias-corrected (a running mean at first) and the allocation counts it (ALGORITHMS.md 3.3)
 # The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
 _WARMUP = IntRange(0, 200, step=25)
 

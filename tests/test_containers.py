@@ -92,6 +92,8 @@ def test_containerised_round_runs_main_config(tmp_path):
     _env_conf()
     if shutil.which("podman") is None:
         _skip_or_fail("podman is not installed (apt-get install podman runc; docs/OPERATOR.md)")
+    if shutil.which("iptables") is None:  # netavark runs it for every container network (.ci/install-podman)
+        _skip_or_fail("iptables is not installed: podman's netavark needs it (apt-get install iptables)")
     base = _base_image()
     work = Path(os.environ.get("DPDRO_CONTAINER_WORK") or tmp_path)
     compose.download_torch_wheels(ROOT)

@@ -63,7 +63,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, SearchDimension
-from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines, unknown_keys_message
+from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
 from .objective import evaluation_terms, pack_terms
 from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
@@ -487,11 +487,9 @@ def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path,
 
     from .runner import run_one
 
-    unknown = sorted(k for k in keys if k not in FIELD_BY_KEY)
-    if unknown:
-        raise ConfigError(unknown_keys_message(unknown))
-    # typed values (the CLI gives text): the trial protocol computes with some of them (refresh-batch * scale)
-    keys = {k: FIELD_BY_KEY[k].parse(v) for k, v in keys.items()}
+    # typed values (the CLI gives text): the trial protocol computes with some of them (refresh-batch * scale);
+    # an unknown key stays as it is for trial_config's Config to refuse, before any run
+    keys = {k: FIELD_BY_KEY[k].parse(v) if k in FIELD_BY_KEY else v for k, v in keys.items()}
     tag = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
     out = search_dir(root, dataset, epsilon) / "probes" / f"{method}-{tag}"
     default_batch = Config.from_mapping({}).refresh_batch  # a trial always draws one; a probe may leave it out

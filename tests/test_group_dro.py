@@ -237,6 +237,14 @@ def test_dro_level_selects_the_group_variant_under_the_algorithm_name(algorithm,
         algo.start_state(np.zeros(5), None, None)
 
 
+def _average(beta: float, m: np.ndarray) -> np.ndarray:
+    """The group-loss average after the releases m (T, K), by dp-double-spider's recursion."""
+    avg = np.zeros(m.shape[1])
+    for t in range(len(m)):
+        avg = avg + averaging_weight(beta, t) * (m[t] - avg)
+    return avg
+
+
 @settings(max_examples=40, deadline=None)
 @given(beta=st.floats(0.001, 1.0), steps=st.integers(1, 60), seed=st.integers(0, 2**16))
 def test_group_loss_average_is_the_bias_corrected_exponential_average(beta, steps, seed):
@@ -244,9 +252,7 @@ def test_group_loss_average_is_the_bias_corrected_exponential_average(beta, step
     sum_s beta (1 - beta)^(t - s) m_s / (1 - (1 - beta)^(t + 1)): weights that sum to 1 and do not favour the
     first release; beta = 1 is no averaging."""
     m = np.random.default_rng(seed).normal(size=(steps, K))
-    avg = np.zeros(K)
-    for t in range(steps):
-        avg = avg + averaging_weight(beta, t) * (m[t] - avg)
+    avg = _average(beta, m)
     t = steps - 1
     coef = beta * (1 - beta) ** (t - np.arange(steps)) / (1 - (1 - beta) ** steps)
     assert coef.sum() == pytest.approx(1.0)
@@ -258,14 +264,8 @@ def test_group_loss_average_is_the_bias_corrected_exponential_average(beta, step
 def test_group_loss_average_is_the_running_mean_early():
     """With t << 1/beta the average is the running mean: the first release weighs 1/(t + 1), not (1 - beta)^t."""
     m = np.arange(5.0)[:, None] * np.ones(K)
-    avg = np.zeros(K)
-    for t in range(5):
-        avg = avg + averaging_weight(1e-4, t) * (m[t] - avg)
-    np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-3)
-    avg = np.zeros(K)
-    for t in range(5):  # beta = 0: exactly the running mean
-        avg = avg + averaging_weight(0.0, t) * (m[t] - avg)
-    np.testing.assert_allclose(avg, np.full(K, 2.0), rtol=1e-12)
+    np.testing.assert_allclose(_average(1e-4, m), np.full(K, 2.0), rtol=1e-3)
+    np.testing.assert_allclose(_average(0.0, m), np.full(K, 2.0), rtol=1e-12)  # beta = 0: exactly the running mean
 
 
 def test_group_loss_noise_profile_counts_the_averaging():

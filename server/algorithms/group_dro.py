@@ -226,10 +226,10 @@ class GroupDro(Algorithm):
 def averaging_weight(beta: float, t: int) -> float:
     """The weight of release t (t >= 0) in the group losses' exponential average m~_t = m~_{t-1} + beta_t (m_t -
     m~_{t-1}): beta_t = beta / (1 - (1 - beta)^(t + 1)), the average of weight beta with Adam's bias correction
-    (Kingma & Ba 2015, sec. 3); beta = 0 is its limit 1 / (t + 1), the running mean. beta_0 = 1, so m~_0 = m_0;
-    while t << 1/beta it is about 1/(t + 1), the running mean, so the first (noisy) release does not keep the
-    weight (1 - beta)^t that the plain average started at m_0 gives it; later it tends to beta. A public function
-    of t and beta (post-processing)."""
+    (Kingma & Ba 2015, sec. 3). beta_0 = 1, so m~_0 = m_0; while t << 1/beta it is about 1/(t + 1) (the running
+    mean; beta = 0 is that limit), so the first (noisy) release does not keep the weight (1 - beta)^t that the
+    plain average started at m_0 gives it; later it tends to beta. A public function of t and beta
+    (post-processing)."""
     if beta == 0.0:  # the limit: the running mean of every release
         return 1.0 / (t + 1)
     return beta / (1.0 - (1.0 - beta) ** (t + 1))

@@ -118,6 +118,10 @@ _DRO_CLIP = Choice(("product", "weight-after-clip"))
 _WEIGHT_CAP = Choice((1.5, 2.0, 3.0, 10.0))
 _BETA = FloatRange(0.01, 1.0, log=True)  # STORM weight / the group losses' averaging: 1 = no averaging; below 0.05
 # since the average is bias-corrected (a running mean at first) and the allocation counts it (ALGORITHMS.md 3.3)
+# How the budget is split between a method's releases (server/allocation.py): the variance rule, or the declared
+# ratios (eta-/s-noise-ratio 2; dp-sgda: equal multipliers). A lever of every method with two kinds of release:
+# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10 (README).
+_ALLOCATION = Choice(("variance", "ratios"))
 # The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
 _WARMUP = IntRange(0, 200, step=25)
 
@@ -147,7 +151,8 @@ declare_algorithm(AlgorithmSpec(
     # rounds) reached worst-class 0.02 at best, and half of a joint search's trials went to it. lr-eta is inert at the
     # group level (eta is solved exactly), so it is not searched; the divergence's centre is.
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "psi": Choice(("chi2", "kl")),
-           "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "dro-reference": _DRO_REFERENCE, "beta": _BETA},
+           "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "dro-reference": _DRO_REFERENCE, "beta": _BETA,
+           "noise-allocation": _ALLOCATION},
     fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"}))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
@@ -158,7 +163,7 @@ declare_algorithm(AlgorithmSpec(
     quantities=("kl-vu", "kl-g", "group-loss", "group-weighted-grad"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True),
            "dro-reference": _DRO_REFERENCE, "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "beta": _BETA,
-           "loss-bound": Choice((4.0, 10.0))},
+           "loss-bound": Choice((4.0, 10.0)), "noise-allocation": _ALLOCATION},
     # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
     # (whose logit-adjusted losses exceed 4) in play at the record level, while the group level's K-vector release
     # has sensitivity B (so B = 4 is in the space); the clips are in the units of the update (every trial of the
@@ -177,7 +182,8 @@ declare_algorithm(AlgorithmSpec(
 declare_algorithm(AlgorithmSpec(
     "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
-    space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True)}))
+    space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True),
+           "noise-allocation": _ALLOCATION}))
 
 declare_algorithm(AlgorithmSpec(
     "dp-sgd-dual", keys=("refresh-batch", "clip-x", "lr-x", "lr-eta", *_DUAL), quantities=("dual-joint",),

@@ -360,7 +360,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             winners = write_tuned(ds, args.epsilon, args.methods, root, configs)
         else:
             winners = run_tune(ds, args.epsilon, args.methods, args.trials, root, configs, args.seed, args.jobs,
-                               args.confirm_top, args.confirm_seeds)
+                               args.confirm_top, args.confirm_seeds, args.warm_start)
         for method, w in winners.items():
             print(f"{ds} eps {args.epsilon:g} {method}: trial {w['trial']} ({w['seeds']} seed(s)), validation worst "
                   f"{w['val_worst']:.4f}, two lowest {w['val_two_lowest']:.4f}, accuracy {w['val_accuracy']:.4f}")
@@ -587,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--confirm-top", type=int, default=3, help="best complete trials per method confirmed")
     s.add_argument("--confirm-seeds", type=int, default=3, help="seeds each of them is judged on (the trial is "
                                                                 "seed 0; 1: no confirmation runs)")
+    s.add_argument("--warm-start", action="store_true",
+                   help="each method's first trial is its shipped configuration (configs/handset/ when there is "
+                        "one, else configs/tuned/), within the same budget")
     s.add_argument("--root", default="runs/tune", help="folder of the trials' run directories")
     s.add_argument("--configs", default="simulations/configs", help="where tuned/*.toml and *-best.toml go")
     s.add_argument("--docs", default="docs", help="where TUNING.md goes")

@@ -22,6 +22,10 @@ never looked at.
   below the median of the finished trials at the same iteration stops. A pruned trial counts towards the budget.
 - Score: ``simulations.objective.validation_objective``: worst-class (CelebA: worst-group) accuracy, ties broken
   by the mean of the two lowest class accuracies, then by the validation accuracy.
+- Warm start (``--warm-start``): each method's first trial is its shipped configuration (``shipped_point``: the
+  hand-set file under ``configs/handset/`` when there is one, else its tuned file), enqueued before the sampler
+  draws anything; it counts towards the same budget as every other trial, so every method gets the same number
+  of trials and starts from its best known point.
 - Confirmation: each method's ``--confirm-top`` best complete trials are trained again with seeds 1 ..
   ``--confirm-seeds`` - 1 (the trial itself is seed 0); the method's winner is the candidate with the best score
   of its mean terms over the seeds.
@@ -122,6 +126,50 @@ def point_keys(method: str, params: dict) -> dict:
     return out
 
 
+def shipped_point(dataset: str, epsilon: float, method: str, configs: Path) -> tuple[dict, Path] | None:
+    """The method's shipped configuration as a point of its space: (params, file), or None when nothing is
+    shipped. The file is ``configs/handset/<dataset>-eps<e>-<method>*.toml`` (the first, sorted) when one exists,
+    else ``configs/tuned/<dataset>-eps<e>-<method>.toml``. A searched key the file does not set takes its
+    default; 'refresh-batch' is divided by the data set's 'batch-scale' (the space is in unscaled units).
+    Raises ConfigError naming the file, the key, its value and the allowed range when a value lies outside the
+    method's space (the enqueued point must be one the sampler could have drawn)."""
+    import tomllib
+
+    def algorithm(path: Path) -> str | None:
+        with open(path, "rb") as f:
+            return tomllib.load(f).get("algorithm")
+
+    # the name's prefix alone is ambiguous (dp-sgd-* matches dp-sgd-la's files): the file's algorithm decides
+    handset = [p for p in sorted((Path(configs) / "handset").glob(f"{dataset}-eps{epsilon:g}-{method}*.toml"))
+               if algorithm(p) == method]
+    tuned = tuned_config_path(dataset, epsilon, method, Path(configs) / "tuned")
+    path = handset[0] if handset else tuned if tuned.exists() else None
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        values = tomllib.load(f)
+    cfg = Config.from_mapping({k: v for k, v in values.items() if k in FIELD_BY_KEY})
+    resolved = {**cfg.to_dict(), "logit-adjust-tau": cfg.tau}  # 'auto' as the run resolves it
+    scale = PER_DATASET.get(dataset, {}).get("batch-scale", 1.0)
+    point = {}
+    for key, dim in SPACES[method].items():
+        value = resolved[key]
+        if key == "refresh-batch":
+            value = int(round(value / scale))
+        if not _in_space(value, dim):
+            raise ConfigError(f"{path}: {key} = {value!r} lies outside the search space of {method} ({dim!r}); "
+                              "allowed: a point the sampler could draw")
+        point[key] = value
+    return point, path
+
+
+def _in_space(value, dim: SearchDimension) -> bool:
+    if isinstance(dim, FloatRange | IntRange):
+        on_grid = dim.step is None or abs((value - dim.low) / dim.step - round((value - dim.low) / dim.step)) < 1e-9
+        return dim.low - 1e-12 <= value <= dim.high + 1e-12 and on_grid
+    return value in dim.values
+
+
 def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir: Path, seed: int = 0) -> Config:
     """The configuration of one trial: BASE, the data set's keys, the method's FIXED keys, the trial's
     searched keys; batch sizes scaled by the data set's 'batch-scale', SPIDER difference (and s) batches at
@@ -203,7 +251,7 @@ def read_search(root: Path, dataset: str, epsilon: float) -> dict | None:
 
 
 def _record_search(root: Path, dataset: str, epsilon: float, methods: list[str], trials: int, seed: int,
-                   confirm_top: int, confirm_seeds: int) -> dict:
+                   confirm_top: int, confirm_seeds: int, warm_start: bool = False) -> dict:
     """Check the command against the stored record and store the updated one (atomic). The budget may grow
     (the search goes on to the larger count), not shrink; the seed and a method's space may not change.
     Raises ConfigError naming the field, the stored and the given value."""
@@ -224,7 +272,8 @@ def _record_search(root: Path, dataset: str, epsilon: float, methods: list[str],
                              f"{spaces[method]}, now {_space_record(method)}); tune it under another --root")
         spaces[method] = _space_record(method)
     record = {"trials": trials, "seed": seed, "confirm-top": confirm_top, "confirm-seeds": confirm_seeds,
-              "iterations": trial_iterations(dataset), "spaces": spaces}
+              "iterations": trial_iterations(dataset), "spaces": spaces,
+              "warm-start": bool(old.get("warm-start", warm_start))}  # the first trials decide it
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, record)
     return record
@@ -388,11 +437,16 @@ def _train_values(values: dict, parent: int) -> None:
 
 
 def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int = 0,
-               jobs: int = 1) -> int:
+               jobs: int = 1, warm_start: Path | None = None) -> int:
     """Bring the method's study to ``trials`` finished trials (``jobs`` worker processes; in this process when
-    jobs <= 1), after re-enqueueing interrupted ones. Call it holding the search's lock (``run_tune`` does).
-    Returns the number of trials run now."""
+    jobs <= 1), after re-enqueueing interrupted ones. ``warm_start``: a configs folder; a study without any trial
+    first gets the method's shipped point (``shipped_point``) enqueued (user attribute shipped = its file). Call it
+    holding the search's lock (``run_tune`` does). Returns the number of trials run now."""
     study = open_study(root, dataset, epsilon, method)
+    shipped = shipped_point(dataset, epsilon, method, warm_start) if warm_start is not None else None
+    if shipped is not None and not study.get_trials(deepcopy=False):
+        study.enqueue_trial(shipped[0], user_attrs={"shipped": str(shipped[1])})
+        log.info("%s: trial 0 is the shipped configuration %s", method, shipped[1])
     retried = retry_interrupted(study)
     if retried:
         log.info("%s: trials %s were interrupted; their points run again", method, retried)
@@ -502,9 +556,12 @@ def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path,
 
 
 def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, configs: Path,
-             seed: int = 0, jobs: int = 2, confirm_top: int = 3, confirm_seeds: int = 3) -> dict[str, dict]:
+             seed: int = 0, jobs: int = 2, confirm_top: int = 3, confirm_seeds: int = 3,
+             warm_start: bool = False) -> dict[str, dict]:
     """Bring every method's study to ``trials`` finished trials, confirm each method's ``confirm_top`` best on
-    ``confirm_seeds`` seeds, then write the tuned config files. Resumable (module docstring). Returns method ->
+    ``confirm_seeds`` seeds, then write the tuned config files. ``warm_start``: every method's first trial is its
+    shipped configuration under ``configs`` (``shipped_point``), read before any run (a file outside the space is
+    refused then). Resumable (module docstring). Returns method ->
     the winner's record (``candidates``). Raises ConfigError (a ValueError) for arguments out of range or
     contradicting the stored search, or when another tuner holds the search."""
     for name, value, low in (("--trials", trials, 1), ("--confirm-top", confirm_top, 1),
@@ -514,10 +571,13 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
     unknown = [m for m in methods if m not in SPACES]
     if unknown:
         raise ConfigError(f"--methods: got {unknown}; allowed: {', '.join(SPACES)}")
-    with _search_lock(root, dataset, epsilon):
-        _record_search(root, dataset, epsilon, methods, trials, seed, confirm_top, confirm_seeds)
+    if warm_start:  # every shipped file checked before the first trial runs
         for method in methods:
-            run_search(dataset, epsilon, method, trials, root, seed, jobs)
+            shipped_point(dataset, epsilon, method, configs)
+    with _search_lock(root, dataset, epsilon):
+        _record_search(root, dataset, epsilon, methods, trials, seed, confirm_top, confirm_seeds, warm_start)
+        for method in methods:
+            run_search(dataset, epsilon, method, trials, root, seed, jobs, configs if warm_start else None)
         plans = [c for m in methods for c in confirm_configs(dataset, epsilon, m, root, open_study(
             root, dataset, epsilon, m), confirm_top, confirm_seeds)]
         _run_confirmations(plans, jobs)
@@ -563,7 +623,8 @@ def budget_line(record: dict) -> str:
     """The per-method budget of a search, in words."""
     extra = (f", top {record['confirm-top']} confirmed on {record['confirm-seeds']} seeds"
              if record["confirm-seeds"] > 1 else "")
-    return f"{record['trials']} TPE trials of at most {record['iterations']} iterations{extra}"
+    start = ", the first the method's shipped configuration" if record.get("warm-start") else ""
+    return f"{record['trials']} TPE trials of at most {record['iterations']} iterations{start}{extra}"
 
 
 def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str], configs: Path) -> dict[str, Path]:
@@ -663,6 +724,8 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
                       "|---|---|---|---|---|---|"]
             for t in trials:
                 state = "complete" if t.state == TrialState.COMPLETE else f"pruned at {t.user_attrs.get('pruned_at')}"
+                if "shipped" in t.user_attrs:
+                    state += f" (shipped: {Path(t.user_attrs['shipped']).name})"
                 keys = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(t.params.items()))
                 figs = " | ".join(f"{t.user_attrs[k]:.3f}" if k in t.user_attrs else "-"
                                   for k in ("val_worst", "val_two_lowest", "val_accuracy"))

@@ -339,3 +339,41 @@ def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_pat
     assert main([*args, "refresh-batch=1024"]) == 0 and len(calls) == 2
     assert (calls[-1]["refresh-batch"], calls[-1]["diff-batch"], calls[-1]["s-batch"]) == (1024, 512, 1024)
     assert main([*args, "refresh-batchh=1024"]) == 2 and len(calls) == 2  # an unknown key: refused
+
+
+def test_warm_start_enqueues_each_methods_shipped_point_within_the_same_budget(tmp_path, fake):
+    root, configs, docs = tmp_path / "runs", tmp_path / "configs", tmp_path / "docs"
+    (configs / "tuned").mkdir(parents=True)
+    (configs / "handset").mkdir()
+    (configs / "tuned" / f"{DS}-eps4-dp-sgd.toml").write_text('algorithm = "dp-sgd"\nlr-x = 3.0\n')
+    (configs / "tuned" / f"{DS}-eps4-dp-sgd-la.toml").write_text('algorithm = "dp-sgd-la"\nlr-x = 5.0\n')
+    # a hand-set file wins over the tuned one; keys it leaves out take their defaults ('auto' resolved)
+    (configs / "handset" / f"{DS}-eps4-dp-sgd-la-x.toml").write_text(
+        'algorithm = "dp-sgd-la"\nlr-x = 2.0\nposthoc-tau = 0.35\nrefresh-batch = 1024\n')
+    tune.run_tune(DS, EPS, ["dp-sgd", "dp-sgd-la"], 3, root, configs, jobs=1, confirm_seeds=1, warm_start=True)
+    first = {c.algorithm: c for c in fake.calls if c.out_dir.endswith("trial00")}
+    batch = Config.from_mapping({}).refresh_batch
+    assert (first["dp-sgd"].lr_x, first["dp-sgd"].refresh_batch, first["dp-sgd"].posthoc_tau) == (3.0, batch, 0.0)
+    assert (first["dp-sgd-la"].lr_x, first["dp-sgd-la"].posthoc_tau, first["dp-sgd-la"].tau) == (2.0, 0.35, 1.0)
+    for method in ("dp-sgd", "dp-sgd-la"):
+        study = tune.open_study(root, DS, EPS, method)
+        assert len(tune.finished_trials(study)) == 3  # the shipped point is one of the 3, not a fourth
+        assert [("shipped" in t.user_attrs) for t in study.trials] == [True, False, False]
+    text = tune.tuning_report(tune.searched_entries(root, [DS]), ["dp-sgd", "dp-sgd-la"], root, docs).read_text()
+    assert "the first the method's shipped configuration" in text
+    assert f"complete (shipped: {DS}-eps4-dp-sgd-la-x.toml)" in text
+    # a resumed search enqueues nothing again
+    tune.run_tune(DS, EPS, ["dp-sgd"], 4, root, configs, jobs=1, confirm_seeds=1, warm_start=True)
+    assert sum("shipped" in t.user_attrs for t in tune.open_study(root, DS, EPS, "dp-sgd").trials) == 1
+
+
+def test_warm_start_refuses_a_shipped_point_outside_the_space_before_any_run(tmp_path, fake):
+    configs = tmp_path / "configs"
+    (configs / "tuned").mkdir(parents=True)
+    (configs / "tuned" / f"{DS}-eps4-dp-sgd.toml").write_text('algorithm = "dp-sgd"\nlr-x = 30.0\n')
+    with pytest.raises(ConfigError, match=r"lr-x = 30.0 lies outside the search space of dp-sgd"):
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, tmp_path / "runs", configs, jobs=1, warm_start=True)
+    (configs / "tuned" / f"{DS}-eps4-dp-sgd.toml").write_text('algorithm = "dp-sgd"\nposthoc-tau = 0.33\n')
+    with pytest.raises(ConfigError, match=r"posthoc-tau = 0.33 lies outside"):  # off the 0.05 grid
+        tune.run_tune(DS, EPS, ["dp-sgd"], 2, tmp_path / "runs", configs, jobs=1, warm_start=True)
+    assert fake.calls == []

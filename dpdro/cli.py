@@ -325,16 +325,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     counts = run_sweep(args.profile, Path(args.root), transport=args.transport, datasets=args.only_dataset,
                        jobs=args.jobs, algorithms=args.only_method,
                        epsilons=[float(e) for e in args.only_epsilon] if args.only_epsilon else None,
-                       seeds=args.only_seed)
+                       seeds=args.only_seed, tuned_folder=Path(args.configs) / "tuned")
     print(f"sweep {args.profile}: {counts}")
-    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs))}")
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs), args.carry)}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dpdro.simulations.sweep import write_report
 
-    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs))}")
+    print(f"report: {write_report(Path(args.root), args.profile, Path(args.docs), Path(args.configs), args.carry)}")
     return 0
 
 
@@ -557,13 +557,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="onnx", choices=("onnx",), help="file format (onnx: logits and the run's "
                    "prediction, batch size free)")
     s.add_argument("--out", help="output file (default: RUN_DIR/model.onnx)")
+    from dpdro.simulations.tuned import TUNED_CONFIGS
+
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
                            ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--profile", default="quick", choices=("quick", "tuned", "paper", "smoke"))
         s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
         s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
-        s.add_argument("--configs", default="simulations/configs", help="where the tuned configs are (tuned profile)")
+        s.add_argument("--configs", default=str(TUNED_CONFIGS.parent),
+                       help="where the tuned configs are (tuned profile; default: the checkout's simulations/configs)")
+        s.add_argument("--no-carry", dest="carry", action="store_false",
+                       help="report only the run directories under --root; by default the previous results CSV's rows "
+                            "of the same configuration (fingerprint) without a run directory here are kept")
         if name == "sweep":
             s.add_argument("--transport", default="local", choices=("local", "flower"))
             s.add_argument("--only-dataset", nargs="*", help="restrict to these datasets")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.data import DataError, data_missing
-from .tables import write_tuned_report
+from .tables import carried_sentence, write_tuned_report
 from .tuned import TUNED_CONFIGS, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -119,14 +119,14 @@ def plan_runs(profile: Profile, root: Path, datasets: list[str] | None = None,
 
 def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets: list[str] | None = None,
               jobs: int = 1, algorithms: list[str] | None = None, epsilons: list[float] | None = None,
-              seeds: list[int] | None = None) -> dict:
-    """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport);
-    returns counts {'done', 'skipped', 'missing-data'}."""
+              seeds: list[int] | None = None, tuned_folder: Path = TUNED_CONFIGS) -> dict:
+    """Run every unfinished run of the profile (``jobs`` processes at a time for the local transport), a tuned
+    profile with the config files in ``tuned_folder``; returns counts {'done', 'skipped', 'missing-data'}."""
     from ..launch.simulate import run_simulation
     from ..server.rundir import continue_keys
     from .runner import run_many
 
-    cfgs = plan_runs(PROFILES[profile_name], root, datasets, algorithms=algorithms, epsilons=epsilons, seeds=seeds)
+    cfgs = plan_runs(PROFILES[profile_name], root, datasets, tuned_folder, algorithms, epsilons, seeds)
     counts = {"done": 0, "skipped": 0, "missing-data": 0}
     todo = []
     for cfg in cfgs:
@@ -163,8 +163,29 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
+# Keys that say where a run's files are, not what it computes (beside the engine's runtime keys).
+_PATH_KEYS = frozenset({"data-root", "cache-dir"})
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """16 hex digits of SHA-256 over the keys that decide what a run computes: every configuration key (seed
+    included) except the runtime ones (``engine.RUNTIME_KEYS``: out-dir, threads, eval-every, ...) and the data
+    paths, as sorted JSON of the validated Config. Two runs with the same fingerprint are the same experiment under
+    the same code; the code version itself is not in it (a change of what a configuration computes must be
+    followed by new runs, ``dpdro report --no-carry``)."""
+    import hashlib
+    import json
+
+    from ..server.engine import RUNTIME_KEYS
+
+    keys = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS and k not in _PATH_KEYS}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def collect(root: Path, profile_name: str) -> list[dict]:
-    """One row per finished run: dataset, algorithm, epsilon, seed and the summary's figures."""
+    """One row per finished run: dataset, algorithm, epsilon, seed, the summary's figures and config_sha (the
+    run's ``config_fingerprint``; empty for a run directory without config.json)."""
+    from ..server.engine import load_run_config
     from ..server.rundir import read_json
 
     rows = []
@@ -172,38 +193,85 @@ def collect(root: Path, profile_name: str) -> list[dict]:
         s = read_json(path)
         worst = s.get("worst_group_accuracy", s["worst_class_accuracy"])
         eps = s["epsilon_spent"]
+        sha = config_fingerprint(load_run_config(path.parent)) if (path.parent / "config.json").exists() else ""
         rows.append({"dataset": s["dataset"], "algorithm": s["algorithm"], "epsilon_target": s["epsilon_target"],
                      "seed": s["seed"], "test_accuracy": s["test_accuracy"], "worst_accuracy": worst,
                      "epsilon_spent": math.inf if eps == "inf" else float(eps), "wall_seconds": s["wall_seconds"],
-                     "transport": s.get("transport", "local"), "accountant": s.get("accountant", "rdp")})
+                     "transport": s.get("transport", "local"), "accountant": s.get("accountant", "rdp"),
+                     "config_sha": sha, "source": "run"})
     return rows
 
 
-def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None = None) -> Path:
-    """Write the results document (docs/RESULTS.md for the tuned profile, docs/RESULTS-<profile>.md for the
-    others), docs/results[-<profile>].csv and docs/plots/*.png from the finished runs."""
+def _cell(row: dict) -> tuple:
+    return row["dataset"], row["algorithm"], float(row["epsilon_target"]), int(row["seed"])
+
+
+def carried_rows(previous: Path, planned: list[Config], have: list[dict], many: bool = False,
+                 cells: dict[tuple, str] | None = None) -> list[dict]:
+    """The rows of an earlier results CSV (``previous``, e.g. docs/results.csv) for planned runs that have no run
+    directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
+    ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped. A row without
+    config_sha, or of a configuration that has changed since (e.g. a method tuned again), is dropped. Returns the
+    rows with the figures typed as ``collect`` types them, with source 'carried'. ``many``: a cell may have many
+    rows (the training curves of docs/curves.csv), kept for the cells of ``cells`` (cell -> config_sha) only."""
     import csv
+
+    if not previous.exists():
+        return []
+    want = cells if cells is not None else {
+        (c.dataset, c.algorithm, float(c.epsilon), int(c.seed)): config_fingerprint(c) for c in planned}
+    done = {_cell(r) for r in have}
+    out = []
+    with open(previous, newline="") as f:
+        for r in csv.DictReader(f):
+            cell = _cell(r)
+            if cell in done or not r.get("config_sha") or want.get(cell) != r["config_sha"]:
+                continue
+            if not many:
+                done.add(cell)
+            typed = {k: float(r[k]) for k in ("test_accuracy", "worst_accuracy", "epsilon_spent", "wall_seconds")
+                     if k in r}
+            out.append({**r, **typed, "epsilon_target": cell[2], "seed": cell[3],
+                        **({"iteration": int(r["iteration"])} if many else
+                           {"accountant": r.get("accountant") or "rdp", "source": "carried"})})
+    return out
+
+
+def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None = None, carry: bool = True) -> Path:
+    """Write the results document (docs/RESULTS.md for the tuned profile, docs/RESULTS-<profile>.md for the
+    others), docs/results[-<profile>].csv, the training curves they plot (docs/curves[-<profile>].csv) and
+    docs/plots/*.png from the finished runs under ``root`` and, with ``carry``, the rows of the previous CSVs that
+    ``carried_rows`` keeps (runs of the same configuration whose directories are not on this machine). The CSVs
+    are replaced atomically."""
     from collections import defaultdict
 
-    rows = collect(root, profile_name)
-    docs.mkdir(parents=True, exist_ok=True)
+    profile = PROFILES[profile_name]
     suffix = "" if profile_name == "tuned" else f"-{profile_name}"
-    with open(docs / f"results{suffix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["dataset"])
-        w.writeheader()
-        w.writerows(rows)
+    csv_path, curves_path = docs / f"results{suffix}.csv", docs / f"curves{suffix}.csv"
+    rows = collect(root, profile_name)
+    curves = curve_rows(root, profile, rows)
+    if carry:
+        tuned = (configs or TUNED_CONFIGS.parent) / "tuned"
+        kept = carried_rows(csv_path, plan_runs(profile, root, tuned_folder=tuned), rows)
+        rows += kept
+        curves += carried_rows(curves_path, [], [], many=True, cells={_cell(r): r["config_sha"] for r in kept})
+    rows.sort(key=_cell)
+    curves.sort(key=lambda r: (*_cell(r), int(r["iteration"])))
+    docs.mkdir(parents=True, exist_ok=True)
+    _write_csv(csv_path, rows)
+    _write_csv(curves_path, curves)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["dataset"], r["algorithm"], r["epsilon_target"])].append(r)
-    profile = PROFILES[profile_name]
     if profile_name == "tuned":
-        plots = _plot(groups, profile, docs / "plots") + _plot_curves(root, profile, docs / "plots")
+        plots = _plot(groups, profile, docs / "plots") + _plot_curves(curves, profile, docs / "plots")
         return write_tuned_report(rows, profile, docs, configs or TUNED_CONFIGS.parent, plots)
     lines = [f"# Results ({profile_name} profile)", "",
              f"Generated by `dpdro report --profile {profile_name}` from the run directories under "
              f"`{root}/{profile_name}`; every figure is the mean +/- standard deviation over the seeds that "
              "finished (n = seeds). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, "
-             "CIFAR10-ST) or the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA).", "",
+             "CIFAR10-ST) or the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). "
+             + carried_sentence(rows), "",
              "Protocol of this profile: " + ", ".join(f"{k}={v}" for k, v in sorted(profile.base.items())) + ".",
              "CelebA here is the 10,000-image subset of `../shared/datasets/celeba` (89x109 copies resized to "
              "64x64, all from CelebA's official training partition) with our seeded split stratified by the 4 "
@@ -228,7 +296,7 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
         if not any_row:
             lines.append("| (not run: data not available here yet) | | | | | |")
         lines.append("")
-    plot = _plot(groups, profile, docs / "plots") + _plot_curves(root, profile, docs / "plots")
+    plot = _plot(groups, profile, docs / "plots") + _plot_curves(curves, profile, docs / "plots")
     if plot:
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plot] + [""]
     for extra in ("AUDIT.md", "EQUIVALENCE.md"):  # generated by `dpdro audit` / `dpdro equivalence`
@@ -240,29 +308,65 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
     return out
 
 
-def _plot_curves(root: Path, profile: Profile, folder: Path) -> list[Path]:
-    """Training curves (test and worst accuracy against iteration, from each run's metrics.csv) of seed
-    ``profile.seeds[0]`` at the epsilon closest to 4, one PNG per dataset."""
+def _curve_epsilon(profile: Profile) -> float:
+    return min(profile.epsilons, key=lambda e: abs(e - 4.0))
+
+
+def curve_rows(root: Path, profile: Profile, rows: list[dict]) -> list[dict]:
+    """The training curves the report plots, one row per evaluation: of seed ``profile.seeds[0]`` at the epsilon
+    closest to 4, for each run of ``rows`` whose run directory is here (its metrics.csv): dataset, algorithm,
+    epsilon_target, seed, config_sha, iteration, test_accuracy, worst_accuracy (worst class, or worst group where
+    the run measures groups)."""
     import csv
 
+    eps, out = _curve_epsilon(profile), []
+    for r in rows:
+        if r.get("source") != "run" or float(r["epsilon_target"]) != eps or int(r["seed"]) != profile.seeds[0]:
+            continue
+        path = run_dir(root, profile.name, r["dataset"], r["algorithm"], eps, profile.seeds[0]) / "metrics.csv"
+        if not path.exists():
+            continue
+        with open(path, newline="") as f:
+            metrics = list(csv.DictReader(f))
+        worst = "worst_group_accuracy" if metrics and "worst_group_accuracy" in metrics[0] else "worst_class_accuracy"
+        out += [{"dataset": r["dataset"], "algorithm": r["algorithm"], "epsilon_target": eps, "seed": r["seed"],
+                 "config_sha": r["config_sha"], "iteration": int(m["iteration"]),
+                 "test_accuracy": float(m["test_accuracy"]), "worst_accuracy": float(m[worst])}
+                for m in metrics if m.get("test_accuracy") not in (None, "")]
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    import csv
+    import io
+
+    from ..server.rundir import atomic_write_bytes
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["dataset"], lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def _plot_curves(curves: list[dict], profile: Profile, folder: Path) -> list[Path]:
+    """Training curves (test and worst accuracy against iteration, ``curve_rows``), one PNG per dataset."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    eps = min(profile.epsilons, key=lambda e: abs(e - 4.0))
+    eps = _curve_epsilon(profile)
     paths = []
     for ds in profile.datasets:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         drawn = False
         for algo in profile.algorithms:
-            path = run_dir(root, profile.name, ds, algo, eps, profile.seeds[0]) / "metrics.csv"
-            if not path.exists():
+            rows = [r for r in curves if r["dataset"] == ds and r["algorithm"] == algo]
+            if not rows:
                 continue
-            rows = list(csv.DictReader(open(path)))
-            worst = "worst_group_accuracy" if "worst_group_accuracy" in rows[0] else "worst_class_accuracy"
             its = [int(r["iteration"]) for r in rows]
-            for ax, key in zip(axes, ("test_accuracy", worst), strict=True):
+            for ax, key in zip(axes, ("test_accuracy", "worst_accuracy"), strict=True):
                 ax.plot(its, [float(r[key]) for r in rows], marker="o", label=algo)
             drawn = True
         if not drawn:

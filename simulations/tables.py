@@ -124,6 +124,15 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
             "these rows measure the method without its variance-reduced estimator.")
 
 
+def carried_sentence(rows: list[dict]) -> str:
+    """How many rows come from the previous results CSV rather than a run directory on this machine."""
+    carried = sum(r.get("source") == "carried" for r in rows)
+    return (f"{carried} of the {len(rows)} runs are carried from the previous results CSV: their run directories are "
+            "not on this machine, and their configuration fingerprint (results.csv column config_sha, every key "
+            "that decides what a run computes) is the one the current config files plan "
+            "(`simulations/sweep.py: carried_rows`; `--no-carry` drops them).") if carried else ""
+
+
 def _accountants(rows: list[dict]) -> str:
     """The accountant(s) of the runs, as the report states them (summaries before the PLD default: RDP)."""
     return " and ".join(sorted({str(r.get("accountant", "rdp")).upper() for r in rows})) or "PLD"
@@ -152,7 +161,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "pre-training). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, CIFAR10-ST) or "
              "the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). An empty cell is a run not "
              "made yet (`dpdro sweep --profile tuned --jobs 2` runs exactly the missing ones); '(n=k)' after a "
-             "method is the most seeds of any of its cells, and a cell with fewer seeds says its own n.", "",
+             "method is the most seeds of any of its cells, and a cell with fewer seeds says its own n. "
+             + carried_sentence(rows), "",
              "**Not privacy-accounted**: the hyper-parameter search itself (it reads noiseless validation metrics of "
              "private training records; private selection such as random stopping is not implemented). Every "
              "run's own releases, including the class histogram and the eta initialisation, are accounted.", "",

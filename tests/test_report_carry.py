@@ -1,0 +1,128 @@
+"""Results that outlive their run directories (simulations/sweep.py): each results CSV row carries the
+fingerprint of its run's configuration, and a report on a machine without those run directories keeps exactly
+the rows whose configuration is still the planned one. Also: a tuned sweep runs the config files it is given."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from dpdro.common.config import Config
+from dpdro.simulations import sweep
+from dpdro.simulations.tune import write_toml
+
+PROFILE = sweep.Profile("carry", ("mnist-st",), ("dp-sgd", "dp-sgd-la"), (4.0,), (0, 1),
+                        base={"eval-every": 100}, tuned_at=4.0)
+
+
+@pytest.fixture
+def profile(monkeypatch):
+    monkeypatch.setitem(sweep.PROFILES, "carry", PROFILE)
+    return PROFILE
+
+
+def _tuned(configs: Path, la_lr: float = 6.0) -> Path:
+    tuned = configs / "tuned"
+    write_toml(tuned / "mnist-st-eps4-dp-sgd.toml", {"algorithm": "dp-sgd", "lr-x": 4.0})
+    write_toml(tuned / "mnist-st-eps4-dp-sgd-la.toml", {"algorithm": "dp-sgd-la", "lr-x": la_lr})
+    return tuned
+
+
+def _finish(cfg: Config, accuracy: float) -> None:
+    """A finished run directory of ``cfg`` as the engine leaves it (config.json, summary.json)."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (out / "metrics.csv").write_text("iteration,test_accuracy,worst_class_accuracy\n0,0.1,0.0\n"
+                                     f"{cfg.iterations},{accuracy},{accuracy / 2}\n")
+    (out / "summary.json").write_text(json.dumps(
+        {"dataset": cfg.dataset, "algorithm": cfg.algorithm, "epsilon_target": cfg.epsilon, "seed": cfg.seed,
+         "test_accuracy": accuracy, "worst_class_accuracy": accuracy / 2, "epsilon_spent": 3.99,
+         "wall_seconds": 10.0}))
+
+
+def _rows(docs: Path) -> dict[tuple, dict]:
+    with open(docs / "results-carry.csv", newline="") as f:
+        return {(r["algorithm"], int(r["seed"])): r for r in csv.DictReader(f)}
+
+
+def test_fingerprint_ignores_runtime_keys_and_paths_but_not_what_a_run_computes():
+    base = Config.from_mapping({"algorithm": "dp-sgd", "lr-x": 4.0, "seed": 0})
+    same = base.with_updates({"out-dir": "elsewhere", "threads": 2, "eval-every": 7, "data-root": "/data"})
+    assert sweep.config_fingerprint(base) == sweep.config_fingerprint(same)
+    for change in ({"lr-x": 4.5}, {"seed": 1}, {"epsilon": 8.0}):
+        assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates(change)), change
+
+
+def test_rows_of_an_unchanged_configuration_survive_the_loss_of_their_run_directories(tmp_path, profile):
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    planned = sweep.plan_runs(profile, root, tuned_folder=_tuned(configs))
+    for i, cfg in enumerate(planned):
+        _finish(cfg, 0.5 + 0.1 * i)
+    sweep.write_report(root, "carry", docs, configs)
+    first = _rows(docs)
+    assert len(first) == 4 and {r["source"] for r in first.values()} == {"run"}
+    assert all(r["config_sha"] == sweep.config_fingerprint(c) for r, c in zip(first.values(), planned, strict=True))
+    text = (docs / "RESULTS-carry.md").read_text()
+    curves = (docs / "curves-carry.csv").read_text()
+    assert len(curves.splitlines()) == 1 + 2 * 2  # seed 0 of both methods, two evaluations each
+    png = docs / "plots" / "carry_mnist-st_training_curves.png"
+    assert "carry_mnist-st_training_curves" in text and png.stat().st_size > 1000
+    png.unlink()
+
+    # the machine is wiped: no run directory left, the same rows and the same tables come back from the CSV
+    for cfg in planned:
+        for f in Path(cfg.out_dir).iterdir():
+            f.unlink()
+        Path(cfg.out_dir).rmdir()
+    sweep.write_report(root, "carry", docs, configs)
+    carried = _rows(docs)
+    assert {r["source"] for r in carried.values()} == {"carried"}
+    assert {k: r["test_accuracy"] for k, r in carried.items()} == {k: r["test_accuracy"] for k, r in first.items()}
+    again = (docs / "RESULTS-carry.md").read_text()
+    assert "4 of the 4 runs are carried from the previous results CSV" in again and "carried" not in text
+    assert again.replace(sweep.carried_sentence(list(carried.values())), "") == text  # the same tables
+    assert (docs / "curves-carry.csv").read_text() == curves and png.stat().st_size > 1000  # and curves
+
+    # a run directory here replaces the carried row of its cell
+    _finish(planned[0], 0.95)
+    sweep.write_report(root, "carry", docs, configs)
+    rows = _rows(docs)
+    assert rows[("dp-sgd", 0)]["source"] == "run" and float(rows[("dp-sgd", 0)]["test_accuracy"]) == 0.95
+
+    # dp-sgd-la tuned again: its old rows are another experiment and drop out; dp-sgd's stay
+    _tuned(configs, la_lr=8.0)
+    sweep.write_report(root, "carry", docs, configs)
+    assert sorted(_rows(docs)) == [("dp-sgd", 0), ("dp-sgd", 1)]
+    assert "dp-sgd-la" not in (docs / "curves-carry.csv").read_text()
+
+    # --no-carry: only what is on this machine
+    sweep.write_report(root, "carry", docs, configs, carry=False)
+    assert sorted(_rows(docs)) == [("dp-sgd", 0)]
+
+
+def test_a_row_without_fingerprint_is_not_carried(tmp_path, profile):
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    sweep.plan_runs(profile, root, tuned_folder=_tuned(configs))
+    docs.mkdir()
+    (docs / "results-carry.csv").write_text(
+        "dataset,algorithm,epsilon_target,seed,test_accuracy,worst_accuracy,epsilon_spent,wall_seconds,transport\n"
+        "mnist-st,dp-sgd,4.0,0,0.9,0.5,3.99,10.0,local\n")
+    sweep.write_report(root, "carry", docs, configs)
+    assert _rows(docs) == {}
+
+
+def test_tuned_sweep_runs_the_config_files_it_is_given(tmp_path, profile, monkeypatch):
+    """`dpdro sweep --configs F` ran the checkout's tuned files instead of F's (found running a transfer)."""
+    from dpdro.simulations import runner
+
+    started = []
+    monkeypatch.setattr(sweep, "data_missing", lambda cfg: None)
+    monkeypatch.setattr(runner, "run_many", lambda cfgs, jobs, label: started.extend(cfgs) or cfgs)
+    tuned = _tuned(tmp_path / "configs", la_lr=7.5)
+    counts = sweep.run_sweep("carry", tmp_path / "runs", tuned_folder=tuned)
+    assert counts["done"] == 4
+    assert sorted((c.algorithm, c.lr_x) for c in started) == [("dp-sgd", 4.0)] * 2 + [("dp-sgd-la", 7.5)] * 2

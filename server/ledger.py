@@ -200,6 +200,12 @@ def _self_composed_points(pmf, count: int) -> int:
     return max(upper - lower + 1, len(probs))
 
 
+# What delta = 'auto' means, in words. Results tables carry it in each run's configuration fingerprint
+# (simulations/sweep.py: config_fingerprint), so change it together with auto_delta: runs made under another
+# meaning are other experiments (before 2026-12-02 it was "n^-1.1").
+AUTO_DELTA_RULE = "1/(10 n)"
+
+
 def auto_delta(n: int) -> float:
     """The delta of ``delta = 'auto'``: 1/(10 n) for n training records (n public, >= 1).
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.data import DataError, data_missing
-from .tables import carried_sentence, write_tuned_report
+from .tables import carried_sentence, delta_words, legacy_mark, write_tuned_report
 from .tuned import TUNED_CONFIGS, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -163,22 +163,32 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
+# The rule of delta = 'auto' before 2026-12-02 (server/ledger.py AUTO_DELTA_RULE is today's): runs made under it are
+# carried, marked, until a run of the same cell replaces them (carried_rows).
+LEGACY_DELTA_RULE = "n^-1.1"
 # Keys that say where a run's files are, not what it computes (beside the engine's runtime keys).
 _PATH_KEYS = frozenset({"data-root", "cache-dir"})
 
 
-def config_fingerprint(cfg: Config) -> str:
+def config_fingerprint(cfg: Config, auto_delta_rule: str | None = None) -> str:
     """16 hex digits of SHA-256 over the keys that decide what a run computes: every configuration key (seed
     included) except the runtime ones (``engine.RUNTIME_KEYS``: out-dir, threads, eval-every, ...) and the data
-    paths, as sorted JSON of the validated Config. Two runs with the same fingerprint are the same experiment under
-    the same code; the code version itself is not in it (a change of what a configuration computes must be
-    followed by new runs, ``dpdro report --no-carry``)."""
+    paths, as sorted JSON of the validated Config, with the 'auto' values whose meaning is a rule resolved: the
+    logit-adjustment tau (``Config.tau``) and delta (``auto_delta_rule``, default ``ledger.AUTO_DELTA_RULE``, the
+    rule of today's code). Two runs with the same fingerprint are the same experiment; the code version itself is
+    not in it (a change of what a configuration computes must be followed by new runs, ``dpdro report
+    --no-carry``)."""
     import hashlib
     import json
 
+    from ..common.config import AUTO
     from ..server.engine import RUNTIME_KEYS
+    from ..server.ledger import AUTO_DELTA_RULE
 
     keys = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS and k not in _PATH_KEYS}
+    keys["logit-adjust-tau"] = cfg.tau
+    if keys["delta"] == AUTO:
+        keys["delta"] = f"auto: {auto_delta_rule or AUTO_DELTA_RULE}"
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -198,7 +208,7 @@ def collect(root: Path, profile_name: str) -> list[dict]:
                      "seed": s["seed"], "test_accuracy": s["test_accuracy"], "worst_accuracy": worst,
                      "epsilon_spent": math.inf if eps == "inf" else float(eps), "wall_seconds": s["wall_seconds"],
                      "transport": s.get("transport", "local"), "accountant": s.get("accountant", "rdp"),
-                     "config_sha": sha, "source": "run"})
+                     "delta": s.get("delta", ""), "config_sha": sha, "source": "run"})
     return rows
 
 
@@ -210,22 +220,29 @@ def carried_rows(previous: Path, planned: list[Config], have: list[dict], many: 
                  cells: dict[tuple, str] | None = None) -> list[dict]:
     """The rows of an earlier results CSV (``previous``, e.g. docs/results.csv) for planned runs that have no run
     directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
-    ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped. A row without
-    config_sha, or of a configuration that has changed since (e.g. a method tuned again), is dropped. Returns the
+    ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped; also when it is
+    the fingerprint under LEGACY_DELTA_RULE (the same keys under the old meaning of delta = 'auto'; the row's delta
+    column says so and the tables mark it). A row without config_sha, or of a configuration that has changed since
+    (e.g. a method tuned again), is dropped. Returns the
     rows with the figures typed as ``collect`` types them, with source 'carried'. ``many``: a cell may have many
     rows (the training curves of docs/curves.csv), kept for the cells of ``cells`` (cell -> config_sha) only."""
     import csv
 
     if not previous.exists():
         return []
-    want = cells if cells is not None else {
-        (c.dataset, c.algorithm, float(c.epsilon), int(c.seed)): config_fingerprint(c) for c in planned}
+    def key(c: Config) -> tuple:
+        return c.dataset, c.algorithm, float(c.epsilon), int(c.seed)
+
+    want = cells if cells is not None else {key(c): config_fingerprint(c) for c in planned}
+    # runs of delta = 'auto' under the rule before 2026-12-02 (their delta column says so; the tables mark them)
+    legacy = {} if cells is not None else {key(c): config_fingerprint(c, LEGACY_DELTA_RULE) for c in planned}
     done = {_cell(r) for r in have}
     out = []
     with open(previous, newline="") as f:
         for r in csv.DictReader(f):
             cell = _cell(r)
-            if cell in done or not r.get("config_sha") or want.get(cell) != r["config_sha"]:
+            sha = r.get("config_sha")
+            if cell in done or not sha or sha not in (want.get(cell), legacy.get(cell)):
                 continue
             if not many:
                 done.add(cell)
@@ -270,8 +287,8 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
              f"Generated by `dpdro report --profile {profile_name}` from the run directories under "
              f"`{root}/{profile_name}`; every figure is the mean +/- standard deviation over the seeds that "
              "finished (n = seeds). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, "
-             "CIFAR10-ST) or the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). "
-             + carried_sentence(rows), "",
+             "CIFAR10-ST) or the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA); "
+             + delta_words(rows) + ". " + carried_sentence(rows), "",
              "Protocol of this profile: " + ", ".join(f"{k}={v}" for k, v in sorted(profile.base.items())) + ".",
              "CelebA here is the 10,000-image subset of `../shared/datasets/celeba` (89x109 copies resized to "
              "64x64, all from CelebA's official training partition) with our seeded split stratified by the 4 "
@@ -291,8 +308,8 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
                 acc, acc_sd = _mean_std([r["test_accuracy"] for r in rs])
                 worst, worst_sd = _mean_std([r["worst_accuracy"] for r in rs])
                 spent, _ = _mean_std([r["epsilon_spent"] for r in rs])
-                lines.append(f"| {algo} | {eps:g} | {len(rs)} | {acc:.3f} +/- {acc_sd:.3f} | "
-                             f"{worst:.3f} +/- {worst_sd:.3f} | {spent:.3f} |")
+                lines.append(f"| {algo} | {eps:g} | {len(rs)} | {acc:.3f} +/- {acc_sd:.3f}{legacy_mark(rs)} | "
+                             f"{worst:.3f} +/- {worst_sd:.3f}{legacy_mark(rs)} | {spent:.3f} |")
         if not any_row:
             lines.append("| (not run: data not available here yet) | | | | | |")
         lines.append("")

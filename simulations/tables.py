@@ -29,9 +29,17 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else 0.0)
 
 
+LEGACY_MARK = "†"  # a cell with runs made under the old delta rule (tables._delta_words)
+
+
+def legacy_mark(rs: list[dict]) -> str:
+    """LEGACY_MARK when one of the runs used the old delta rule, else ''."""
+    return LEGACY_MARK if any(str(r.get("delta")) == "n^-1.1" for r in rs) else ""
+
+
 def _cell(rs: list[dict], key: str) -> str:
     m, s = _mean_std([r[key] for r in rs])
-    return f"{m:.3f} +/- {s:.3f}"
+    return f"{m:.3f} +/- {s:.3f}{legacy_mark(rs)}"
 
 
 def comparison_lines(groups: dict, dataset: str, epsilons, methods) -> list[str]:
@@ -69,7 +77,7 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
     reached = worst >= GOAL["worst"] and acc >= GOAL["accuracy"]
     ordered = sorted(rs, key=lambda r: r["seed"])
     seeds = ", ".join(f"{r['test_accuracy']:.3f} / {r['worst_accuracy']:.3f}" for r in ordered)
-    return [f"Goal (MNIST-ST, epsilon 4, delta = n^-1.1: worst-class >= {GOAL['worst']:.2f} with average >= "
+    return [f"Goal (MNIST-ST, epsilon 4: worst-class >= {GOAL['worst']:.2f} with average >= "
             f"{GOAL['accuracy']:.2f}): the selected best configuration, **{best_method}** "
             f"(`simulations/configs/mnist-st-eps4-best.toml`), reaches test accuracy {acc:.3f} +/- {acc_sd:.3f} and "
             f"worst-class accuracy {worst:.3f} +/- {worst_sd:.3f} over {len(rs)} seeds (per seed, accuracy / worst: "
@@ -133,6 +141,23 @@ def carried_sentence(rows: list[dict]) -> str:
             "(`simulations/sweep.py: carried_rows`; `--no-carry` drops them).") if carried else ""
 
 
+def delta_words(rows: list[dict]) -> str:
+    """The runs' delta in words. A row's delta is the run's resolved delta, or the rule of 'auto' for rows recorded
+    before results.csv had the column: 'n^-1.1', the default of the code before 2026-12-02, or '1/(10 n)', today's
+    (server/ledger.py AUTO_DELTA_RULE)."""
+    from ..server.ledger import AUTO_DELTA_RULE
+
+    old = sum(str(r.get("delta")) == "n^-1.1" for r in rows)
+    if old == 0:
+        return f"delta = {AUTO_DELTA_RULE} (the default, 'auto')"
+    if old == len(rows):
+        return "delta = n^-1.1 (the default 'auto' of the code that made these runs)"
+    return (f"delta = {AUTO_DELTA_RULE} (today's default 'auto'), except in the cells marked {LEGACY_MARK}: {old} "
+            f"of the {len(rows)} runs were made before 2026-12-02 with the then default n^-1.1 (a weaker guarantee: "
+            "n^-1.1 > 1/(10 n) for every n below 10^10; results.csv column delta); a new run of the same cell replaces "
+            "them")
+
+
 def _accountants(rows: list[dict]) -> str:
     """The accountant(s) of the runs, as the report states them (summaries before the PLD default: RDP)."""
     return " and ".join(sorted({str(r.get("accountant", "rdp")).upper() for r in rows})) or "PLD"
@@ -156,8 +181,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "choose anything. The selected configuration of each method (`simulations/configs/tuned/`) was then "
              "trained on the whole training split at epsilon 1, 4 and 8 (the epsilon 4 hyper-parameters are reused "
              "at 1 and 8) with seeds 0, 1, 2 and evaluated on the test split; cells are mean +/- standard "
-             f"deviation over the seeds, delta = n^-1.1, accountant {_accountants(rows)}, 4 clients, every run from "
-             "scratch (no "
+             f"deviation over the seeds, {delta_words(rows)}, accountant {_accountants(rows)}, 4 clients, every run "
+             "from scratch (no "
              "pre-training). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, CIFAR10-ST) or "
              "the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). An empty cell is a run not "
              "made yet (`dpdro sweep --profile tuned --jobs 2` runs exactly the missing ones); '(n=k)' after a "

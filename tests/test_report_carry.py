@@ -53,8 +53,13 @@ def test_fingerprint_ignores_runtime_keys_and_paths_but_not_what_a_run_computes(
     base = Config.from_mapping({"algorithm": "dp-sgd", "lr-x": 4.0, "seed": 0})
     same = base.with_updates({"out-dir": "elsewhere", "threads": 2, "eval-every": 7, "data-root": "/data"})
     assert sweep.config_fingerprint(base) == sweep.config_fingerprint(same)
-    for change in ({"lr-x": 4.5}, {"seed": 1}, {"epsilon": 8.0}):
+    for change in ({"lr-x": 4.5}, {"seed": 1}, {"epsilon": 8.0}, {"delta": 1e-6}):
         assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates(change)), change
+    # 'auto' is compared by what it means: tau auto of dp-sgd-la is 1; delta auto under another rule is another run
+    la = Config.from_mapping({"algorithm": "dp-sgd-la"})
+    assert sweep.config_fingerprint(la) == sweep.config_fingerprint(la.with_updates({"logit-adjust-tau": 1.0}))
+    assert sweep.config_fingerprint(la) != sweep.config_fingerprint(la.with_updates({"logit-adjust-tau": 0.5}))
+    assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base, auto_delta_rule="n^-1.1")
 
 
 def test_rows_of_an_unchanged_configuration_survive_the_loss_of_their_run_directories(tmp_path, profile):
@@ -126,3 +131,24 @@ def test_tuned_sweep_runs_the_config_files_it_is_given(tmp_path, profile, monkey
     counts = sweep.run_sweep("carry", tmp_path / "runs", tuned_folder=tuned)
     assert counts["done"] == 4
     assert sorted((c.algorithm, c.lr_x) for c in started) == [("dp-sgd", 4.0)] * 2 + [("dp-sgd-la", 7.5)] * 2
+
+
+def test_runs_under_the_old_delta_rule_are_carried_marked_until_replaced(tmp_path, profile):
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    planned = sweep.plan_runs(profile, root, tuned_folder=_tuned(configs))
+    docs.mkdir()
+    header = ("dataset,algorithm,epsilon_target,seed,test_accuracy,worst_accuracy,epsilon_spent,wall_seconds,delta,"
+              "config_sha\n")
+    lines = [f"mnist-st,{c.algorithm},4.0,{c.seed},0.8,0.4,3.99,10.0,n^-1.1,"
+             f"{sweep.config_fingerprint(c, sweep.LEGACY_DELTA_RULE)}\n" for c in planned]
+    (docs / "results-carry.csv").write_text(header + "".join(lines))
+    text = sweep.write_report(root, "carry", docs, configs).read_text()
+    assert len(_rows(docs)) == 4 and "0.800 +/- 0.000†" in text
+    _finish(planned[0], 0.9)  # a run under today's rule replaces its cell's old row
+    sweep.write_report(root, "carry", docs, configs)
+    rows = _rows(docs)
+    assert rows[("dp-sgd", 0)]["source"] == "run" and rows[("dp-sgd", 1)]["delta"] == "n^-1.1"
+    # a row claiming another configuration under the old rule is not carried
+    (docs / "results-carry.csv").write_text(header + lines[1][:-2] + "x\n")  # the last digit of its sha changed
+    sweep.write_report(root, "carry", docs, configs)
+    assert sorted(_rows(docs)) == [("dp-sgd", 0)]

@@ -216,42 +216,49 @@ def _cell(row: dict) -> tuple:
     return row["dataset"], row["algorithm"], float(row["epsilon_target"]), int(row["seed"])
 
 
-def carried_rows(previous: Path, planned: list[Config], have: list[dict], many: bool = False,
-                 cells: dict[tuple, str] | None = None) -> list[dict]:
+def _read_csv(path: Path) -> list[dict]:
+    import csv
+
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _typed(row: dict) -> dict:
+    """A CSV row with the cell and the figures typed as ``collect`` types them."""
+    cell = _cell(row)
+    figures = {k: float(row[k]) for k in ("test_accuracy", "worst_accuracy", "epsilon_spent", "wall_seconds")
+               if k in row}
+    return {**row, **figures, "epsilon_target": cell[2], "seed": cell[3]}
+
+
+def carried_rows(previous: Path, planned: list[Config], have: list[dict]) -> list[dict]:
     """The rows of an earlier results CSV (``previous``, e.g. docs/results.csv) for planned runs that have no run
     directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
     ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped; also when it is
     the fingerprint under LEGACY_DELTA_RULE (the same keys under the old meaning of delta = 'auto'; the row's delta
     column says so and the tables mark it). A row without config_sha, or of a configuration that has changed since
-    (e.g. a method tuned again), is dropped. Returns the
-    rows with the figures typed as ``collect`` types them, with source 'carried'. ``many``: a cell may have many
-    rows (the training curves of docs/curves.csv), kept for the cells of ``cells`` (cell -> config_sha) only."""
-    import csv
-
-    if not previous.exists():
-        return []
-    def key(c: Config) -> tuple:
-        return c.dataset, c.algorithm, float(c.epsilon), int(c.seed)
-
-    want = cells if cells is not None else {key(c): config_fingerprint(c) for c in planned}
-    # runs of delta = 'auto' under the rule before 2026-12-02 (their delta column says so; the tables mark them)
-    legacy = {} if cells is not None else {key(c): config_fingerprint(c, LEGACY_DELTA_RULE) for c in planned}
+    (e.g. a method tuned again), is dropped. Returns the rows typed, with source 'carried'."""
+    want = {(c.dataset, c.algorithm, float(c.epsilon), int(c.seed)): (config_fingerprint(c),
+                                                                       config_fingerprint(c, LEGACY_DELTA_RULE))
+            for c in planned}
     done = {_cell(r) for r in have}
     out = []
-    with open(previous, newline="") as f:
-        for r in csv.DictReader(f):
-            cell = _cell(r)
-            sha = r.get("config_sha")
-            if cell in done or not sha or sha not in (want.get(cell), legacy.get(cell)):
-                continue
-            if not many:
-                done.add(cell)
-            typed = {k: float(r[k]) for k in ("test_accuracy", "worst_accuracy", "epsilon_spent", "wall_seconds")
-                     if k in r}
-            out.append({**r, **typed, "epsilon_target": cell[2], "seed": cell[3],
-                        **({"iteration": int(r["iteration"])} if many else
-                           {"accountant": r.get("accountant") or "rdp", "source": "carried"})})
+    for r in _read_csv(previous):
+        cell = _cell(r)
+        if cell not in done and r.get("config_sha") and r["config_sha"] in want.get(cell, ()):
+            done.add(cell)
+            out.append({**_typed(r), "accountant": r.get("accountant") or "rdp", "source": "carried"})
     return out
+
+
+def carried_curves(previous: Path, kept: list[dict]) -> list[dict]:
+    """The rows of an earlier training-curves CSV (``previous``, e.g. docs/curves.csv) of the runs ``kept`` from the
+    earlier results CSV (``carried_rows``): same cell, same config_sha."""
+    want = {_cell(r): r["config_sha"] for r in kept}
+    return [{**_typed(r), "iteration": int(r["iteration"])} for r in _read_csv(previous)
+            if r.get("config_sha") and want.get(_cell(r)) == r["config_sha"]]
 
 
 def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None = None, carry: bool = True) -> Path:
@@ -271,7 +278,7 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
         tuned = (configs or TUNED_CONFIGS.parent) / "tuned"
         kept = carried_rows(csv_path, plan_runs(profile, root, tuned_folder=tuned), rows)
         rows += kept
-        curves += carried_rows(curves_path, [], [], many=True, cells={_cell(r): r["config_sha"] for r in kept})
+        curves += carried_curves(curves_path, kept)
     rows.sort(key=_cell)
     curves.sort(key=lambda r: (*_cell(r), int(r["iteration"])))
     docs.mkdir(parents=True, exist_ok=True)

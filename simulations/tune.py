@@ -705,6 +705,10 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
         if record is None:
             continue
         lines += [f"## {dataset}, epsilon {epsilon:g} (per method: {budget_line(record)})", ""]
+        unsearched = [m for m in SPACES if not finished_trials(open_study(root, dataset, epsilon, m))]
+        if unsearched:
+            lines += [f"Not in this search: {', '.join(unsearched)} (no finished trial); their tuned files, if any, "
+                      "come from an earlier search (their first line says which).", ""]
         for method in methods:
             if method not in record["spaces"]:
                 continue

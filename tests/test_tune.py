@@ -361,6 +361,7 @@ def test_warm_start_enqueues_each_methods_shipped_point_within_the_same_budget(t
         assert [("shipped" in t.user_attrs) for t in study.trials] == [True, False, False]
     text = tune.tuning_report(tune.searched_entries(root, [DS]), ["dp-sgd", "dp-sgd-la"], root, docs).read_text()
     assert "the first the method's shipped configuration" in text
+    assert "Not in this search: dp-double-spider, recursive-spider, dp-sgda, dp-sgd-dual, dp-spiderboost" in text
     assert f"complete (shipped: {DS}-eps4-dp-sgd-la-x.toml)" in text
     # a resumed search enqueues nothing again
     tune.run_tune(DS, EPS, ["dp-sgd"], 4, root, configs, jobs=1, confirm_seeds=1, warm_start=True)

@@ -12,10 +12,12 @@ full private run at the target epsilon that trains on the training split minus a
 evaluated on that validation split only, every ``iterations / EVALS_PER_TRIAL`` iterations: the test split is
 never looked at.
 
-- Sampler: TPE (``optuna.samplers.TPESampler``), seeded by ``--seed``, the method and the number of trials
-  already finished (a resumed search does not redraw its first points); the first ``TPE_STARTUP_TRIALS`` are
-  random. With ``--jobs 1`` a search is reproducible point for point; with more jobs the points depend on which
-  trial finishes first (Optuna's constant-liar TPE treats the running ones as pending).
+- Sampler: TPE (``optuna.samplers.TPESampler``), one per trial, seeded by ``--seed``, the method and the trial's
+  index (a resumed search does not redraw its first points); the first ``TPE_STARTUP_TRIALS`` are random. With
+  ``--jobs 1`` a search is reproducible point for point; with more jobs the points depend on which trial finishes
+  first (Optuna's constant-liar TPE treats the running ones as pending).
+- Workers: one pool of ``--jobs`` processes over every method's trials, in the methods' order, so that no worker
+  idles at the end of one method's study while the next method still has trials to start.
 - Pruner: ``optuna.pruners.MedianPruner`` on the intermediate validation scores (reported by the engine's
   ``Progress.on_eval`` hook at each evaluation): after ``PRUNE_STARTUP_TRIALS`` finished trials and from
   ``PRUNE_WARMUP_FRACTION`` of the iterations on (large steps leave DRO at chance for a while first), a trial
@@ -313,8 +315,8 @@ def open_study(root: Path, dataset: str, epsilon: float, method: str, sampler=No
 
 
 def make_sampler(seed: int, method: str, worker: int, finished: int):
-    """TPE seeded by (seed, method, worker, trials finished so far): two workers never draw the same random
-    start, and a resumed search does not redraw the points it began with."""
+    """TPE seeded by (seed, method, worker, the trial's index among the method's trials): two trials never draw
+    the same random start, and a resumed search does not redraw the points it began with."""
     from optuna.samplers import TPESampler
 
     s = int(derived_rng(seed, "tune", method, worker, finished).integers(2**31))
@@ -418,8 +420,8 @@ def _objective(trial, dataset: str, epsilon: float, method: str, root: Path) -> 
 
 def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, worker: int, finished: int,
               quota: int, parent: int | None = None) -> None:
-    """Run ``quota`` trials of the method's study (one worker; a process of its own when jobs > 1, then
-    ``parent`` is the tuner's pid)."""
+    """Run ``quota`` trials of the method's study (in a worker process of its own when jobs > 1, then ``parent``
+    is the tuner's pid); ``finished`` seeds the sampler (``make_sampler``)."""
     global _PARENT_PID
     _PARENT_PID = parent
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -436,12 +438,11 @@ def _train_values(values: dict, parent: int) -> None:
     train_trial(Config.from_mapping(values), None)
 
 
-def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int = 0,
-               jobs: int = 1, warm_start: Path | None = None) -> int:
-    """Bring the method's study to ``trials`` finished trials (``jobs`` worker processes; in this process when
-    jobs <= 1), after re-enqueueing interrupted ones. ``warm_start``: a configs folder; a study without any trial
-    first gets the method's shipped point (``shipped_point``) enqueued (user attribute shipped = its file). Call it
-    holding the search's lock (``run_tune`` does). Returns the number of trials run now."""
+def _prepare_study(dataset: str, epsilon: float, method: str, trials: int, root: Path,
+                   warm_start: Path | None) -> tuple[int, int]:
+    """Open the method's study, re-enqueue interrupted trials and, with ``warm_start`` (a configs folder) on a study
+    without any trial, enqueue the method's shipped point (``shipped_point``; user attribute shipped = its file).
+    Returns (finished trials, trials still to run for ``trials``)."""
     study = open_study(root, dataset, epsilon, method)
     shipped = shipped_point(dataset, epsilon, method, warm_start) if warm_start is not None else None
     if shipped is not None and not study.get_trials(deepcopy=False):
@@ -452,21 +453,39 @@ def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Pat
         log.info("%s: trials %s were interrupted; their points run again", method, retried)
     finished = len(finished_trials(study))
     remaining = max(0, trials - finished)
-    workers = max(1, min(jobs, remaining))
-    quotas = [remaining // workers + (i < remaining % workers) for i in range(workers)]
-    if remaining == 0:
-        return 0
-    log.info("%s: %d of %d trials finished, %d to run", method, finished, trials, remaining)
-    if workers == 1:
-        _optimize(str(root), dataset, epsilon, method, seed, 0, finished, remaining)
-        return remaining
-    # spawn, not fork: see runner.run_many
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, w, finished, q, os.getpid())
-                   for w, q in enumerate(quotas)]
-        for f in futures:
-            f.result()
-    return remaining
+    if remaining:
+        log.info("%s: %d of %d trials finished, %d to run", method, finished, trials, remaining)
+    return finished, remaining
+
+
+def run_searches(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, seed: int = 0,
+                 jobs: int = 1, warm_start: Path | None = None) -> dict[str, int]:
+    """Bring every method's study to ``trials`` finished trials with one pool of ``jobs`` worker processes over all
+    the methods' trials, in the methods' order (a worker never idles while a method still has a trial to start; in
+    this process when jobs <= 1). Each trial draws from its own TPE sampler seeded by (seed, method, its index among
+    the method's trials), so with jobs 1 a search is reproducible point for point. ``warm_start``: see
+    ``_prepare_study``. Call it holding the search's lock (``run_tune`` does). Returns method -> trials run now."""
+    tasks = []
+    for method in methods:
+        finished, remaining = _prepare_study(dataset, epsilon, method, trials, root, warm_start)
+        tasks += [(method, finished + i) for i in range(remaining)]
+    if jobs <= 1 or len(tasks) <= 1:
+        for method, index in tasks:
+            _optimize(str(root), dataset, epsilon, method, seed, 0, index, 1)
+    else:  # spawn, not fork: see runner.run_many
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, 0, index, 1, os.getpid())
+                       for method, index in tasks]
+            for f in futures:
+                f.result()
+    return {m: sum(t[0] == m for t in tasks) for m in methods}
+
+
+def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int = 0,
+               jobs: int = 1, warm_start: Path | None = None) -> int:
+    """``run_searches`` of one method; returns the number of trials run now."""
+    return run_searches(dataset, epsilon, [method], trials, root, seed, jobs, warm_start)[method]
 
 
 # ---- confirmation and selection ----
@@ -576,8 +595,7 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
             shipped_point(dataset, epsilon, method, configs)
     with _search_lock(root, dataset, epsilon):
         _record_search(root, dataset, epsilon, methods, trials, seed, confirm_top, confirm_seeds, warm_start)
-        for method in methods:
-            run_search(dataset, epsilon, method, trials, root, seed, jobs, configs if warm_start else None)
+        run_searches(dataset, epsilon, methods, trials, root, seed, jobs, configs if warm_start else None)
         plans = [c for m in methods for c in confirm_configs(dataset, epsilon, m, root, open_study(
             root, dataset, epsilon, m), confirm_top, confirm_seeds)]
         _run_confirmations(plans, jobs)
@@ -747,5 +765,5 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
     return out
 
 
-__all__ = ["run_tune", "run_search", "transfer_tuned", "transferred_from", "select_winner", "write_tuned",
+__all__ = ["run_tune", "run_search", "run_searches", "transfer_tuned", "transferred_from", "select_winner", "write_tuned",
            "tuning_report", "searched_entries", "METHODS", "SPACES"]

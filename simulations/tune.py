@@ -765,5 +765,5 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
     return out
 
 
-__all__ = ["run_tune", "run_search", "run_searches", "transfer_tuned", "transferred_from", "select_winner", "write_tuned",
-           "tuning_report", "searched_entries", "METHODS", "SPACES"]
+__all__ = ["run_tune", "run_search", "run_searches", "transfer_tuned", "transferred_from", "select_winner",
+           "write_tuned", "tuning_report", "searched_entries", "METHODS", "SPACES"]

@@ -163,20 +163,22 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
-# The rule of delta = 'auto' before 2026-12-02 (server/ledger.py AUTO_DELTA_RULE is today's): runs made under it are
-# carried, marked, until a run of the same cell replaces them (carried_rows).
-LEGACY_DELTA_RULE = "n^-1.1"
+# The defaults before 2026-12-02 (delta = 'auto' meant n^-1.1, server/ledger.py AUTO_DELTA_RULE is today's rule; the
+# accountant was RDP, PLD since): runs made under them are carried, marked, until a run of the same cell replaces
+# them (carried_rows).
+LEGACY_DEFAULTS = {"delta": "auto: n^-1.1", "accountant": "rdp"}
 # Keys that say where a run's files are, not what it computes (beside the engine's runtime keys).
 _PATH_KEYS = frozenset({"data-root", "cache-dir"})
 
 
-def config_fingerprint(cfg: Config, auto_delta_rule: str | None = None) -> str:
+def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
     """16 hex digits of SHA-256 over the keys that decide what a run computes: every configuration key (seed
     included) except the runtime ones (``engine.RUNTIME_KEYS``: out-dir, threads, eval-every, ...) and the data
     paths, as sorted JSON of the validated Config, with the 'auto' values whose meaning is a rule resolved: the
-    logit-adjustment tau (``Config.tau``) and delta (``auto_delta_rule``, default ``ledger.AUTO_DELTA_RULE``, the
-    rule of today's code). Two runs with the same fingerprint are the same experiment; the code version itself is
-    not in it (a change of what a configuration computes must be followed by new runs, ``dpdro report
+    logit-adjustment tau (``Config.tau``) and delta (``ledger.AUTO_DELTA_RULE``, the rule of today's code).
+    ``legacy``: the fingerprint the same keys had under LEGACY_DEFAULTS (runs before 2026-12-02, whose files set
+    neither delta nor the accountant). Two runs with the same fingerprint are the same experiment; the code version
+    itself is not in it (a change of what a configuration computes must be followed by new runs, ``dpdro report
     --no-carry``)."""
     import hashlib
     import json
@@ -188,7 +190,9 @@ def config_fingerprint(cfg: Config, auto_delta_rule: str | None = None) -> str:
     keys = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS and k not in _PATH_KEYS}
     keys["logit-adjust-tau"] = cfg.tau
     if keys["delta"] == AUTO:
-        keys["delta"] = f"auto: {auto_delta_rule or AUTO_DELTA_RULE}"
+        keys["delta"] = f"auto: {AUTO_DELTA_RULE}"
+    if legacy:
+        keys.update(LEGACY_DEFAULTS)
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -237,11 +241,11 @@ def carried_rows(previous: Path, planned: list[Config], have: list[dict]) -> lis
     """The rows of an earlier results CSV (``previous``, e.g. docs/results.csv) for planned runs that have no run
     directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
     ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped; also when it is
-    the fingerprint under LEGACY_DELTA_RULE (the same keys under the old meaning of delta = 'auto'; the row's delta
-    column says so and the tables mark it). A row without config_sha, or of a configuration that has changed since
-    (e.g. a method tuned again), is dropped. Returns the rows typed, with source 'carried'."""
+    the fingerprint under LEGACY_DEFAULTS (the same keys under the defaults before 2026-12-02; the row's delta and
+    accountant columns say so and the tables mark it). A row without config_sha, or of a configuration that has
+    changed since (e.g. a method tuned again), is dropped. Returns the rows typed, with source 'carried'."""
     want = {(c.dataset, c.algorithm, float(c.epsilon), int(c.seed)): (config_fingerprint(c),
-                                                                       config_fingerprint(c, LEGACY_DELTA_RULE))
+                                                                       config_fingerprint(c, legacy=True))
             for c in planned}
     done = {_cell(r) for r in have}
     out = []

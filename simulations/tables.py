@@ -142,20 +142,20 @@ def carried_sentence(rows: list[dict]) -> str:
 
 
 def delta_words(rows: list[dict]) -> str:
-    """The runs' delta in words. A row's delta is the run's resolved delta, or the rule of 'auto' for rows recorded
-    before results.csv had the column: 'n^-1.1', the default of the code before 2026-12-02, or '1/(10 n)', today's
-    (server/ledger.py AUTO_DELTA_RULE)."""
+    """The runs' delta in words. A row's delta is the run's resolved delta, or 'n^-1.1' for a run made before
+    2026-12-02 under the then defaults (delta = 'auto' meant n^-1.1, the accountant was RDP; sweep.LEGACY_DEFAULTS);
+    today's 'auto' is server/ledger.py AUTO_DELTA_RULE."""
     from ..server.ledger import AUTO_DELTA_RULE
 
     old = sum(str(r.get("delta")) == "n^-1.1" for r in rows)
     if old == 0:
         return f"delta = {AUTO_DELTA_RULE} (the default, 'auto')"
     if old == len(rows):
-        return "delta = n^-1.1 (the default 'auto' of the code that made these runs)"
+        return "delta = n^-1.1 (the default 'auto' of the code that made these runs, before 2026-12-02)"
     return (f"delta = {AUTO_DELTA_RULE} (today's default 'auto'), except in the cells marked {LEGACY_MARK}: {old} "
-            f"of the {len(rows)} runs were made before 2026-12-02 with the then default n^-1.1 (a weaker guarantee: "
-            "n^-1.1 > 1/(10 n) for every n below 10^10; results.csv column delta); a new run of the same cell replaces "
-            "them")
+            f"of the {len(rows)} runs were made before 2026-12-02 under the then defaults, delta n^-1.1 (a weaker "
+            "guarantee: n^-1.1 > 1/(10 n) for every n below 10^10) and the RDP accountant (results.csv columns delta "
+            "and accountant); a new run of the same cell replaces them")
 
 
 def _accountants(rows: list[dict]) -> str:

@@ -59,7 +59,7 @@ def test_fingerprint_ignores_runtime_keys_and_paths_but_not_what_a_run_computes(
     la = Config.from_mapping({"algorithm": "dp-sgd-la"})
     assert sweep.config_fingerprint(la) == sweep.config_fingerprint(la.with_updates({"logit-adjust-tau": 1.0}))
     assert sweep.config_fingerprint(la) != sweep.config_fingerprint(la.with_updates({"logit-adjust-tau": 0.5}))
-    assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base, auto_delta_rule="n^-1.1")
+    assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base, legacy=True)
 
 
 def test_rows_of_an_unchanged_configuration_survive_the_loss_of_their_run_directories(tmp_path, profile):
@@ -140,7 +140,7 @@ def test_runs_under_the_old_delta_rule_are_carried_marked_until_replaced(tmp_pat
     header = ("dataset,algorithm,epsilon_target,seed,test_accuracy,worst_accuracy,epsilon_spent,wall_seconds,delta,"
               "config_sha\n")
     lines = [f"mnist-st,{c.algorithm},4.0,{c.seed},0.8,0.4,3.99,10.0,n^-1.1,"
-             f"{sweep.config_fingerprint(c, sweep.LEGACY_DELTA_RULE)}\n" for c in planned]
+             f"{sweep.config_fingerprint(c, legacy=True)}\n" for c in planned]
     (docs / "results-carry.csv").write_text(header + "".join(lines))
     text = sweep.write_report(root, "carry", docs, configs).read_text()
     assert len(_rows(docs)) == 4 and "0.800 +/- 0.000†" in text

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from ..common.data import DataError, data_missing
-from .tables import carried_sentence, delta_words, legacy_mark, write_tuned_report
+from .tables import LEGACY_DELTA, carried_sentence, delta_words, legacy_mark, write_tuned_report
 from .tuned import TUNED_CONFIGS, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 # The defaults before 2026-12-02 (delta = 'auto' meant n^-1.1, server/ledger.py AUTO_DELTA_RULE is today's rule; the
 # accountant was RDP, PLD since): runs made under them are carried, marked, until a run of the same cell replaces
 # them (carried_rows).
-LEGACY_DEFAULTS = {"delta": "auto: n^-1.1", "accountant": "rdp"}
+LEGACY_DEFAULTS = {"delta": f"auto: {LEGACY_DELTA}", "accountant": "rdp"}
 # Keys that say where a run's files are, not what it computes (beside the engine's runtime keys).
 _PATH_KEYS = frozenset({"data-root", "cache-dir"})
 

@@ -29,12 +29,18 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else 0.0)
 
 
-LEGACY_MARK = "†"  # a cell with runs made under the old delta rule (tables._delta_words)
+LEGACY_DELTA = "n^-1.1"  # delta = 'auto' before 2026-12-02: a legacy row's delta column (sweep.LEGACY_DEFAULTS)
+LEGACY_MARK = "†"  # a cell with runs made under the old defaults (delta_words)
+
+
+def is_legacy(row: dict) -> bool:
+    """Whether the run was made under the defaults before 2026-12-02 (its delta column says LEGACY_DELTA)."""
+    return str(row.get("delta")) == LEGACY_DELTA
 
 
 def legacy_mark(rs: list[dict]) -> str:
-    """LEGACY_MARK when one of the runs used the old delta rule, else ''."""
-    return LEGACY_MARK if any(str(r.get("delta")) == "n^-1.1" for r in rs) else ""
+    """LEGACY_MARK when one of the runs used the old defaults, else ''."""
+    return LEGACY_MARK if any(is_legacy(r) for r in rs) else ""
 
 
 def _cell(rs: list[dict], key: str) -> str:
@@ -147,7 +153,7 @@ def delta_words(rows: list[dict]) -> str:
     today's 'auto' is server/ledger.py AUTO_DELTA_RULE."""
     from ..server.ledger import AUTO_DELTA_RULE
 
-    old = sum(str(r.get("delta")) == "n^-1.1" for r in rows)
+    old = sum(is_legacy(r) for r in rows)
     if old == 0:
         return f"delta = {AUTO_DELTA_RULE} (the default, 'auto')"
     if old == len(rows):

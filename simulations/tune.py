@@ -137,19 +137,18 @@ def shipped_point(dataset: str, epsilon: float, method: str, configs: Path) -> t
     method's space (the enqueued point must be one the sampler could have drawn)."""
     import tomllib
 
-    def algorithm(path: Path) -> str | None:
+    def read(path: Path) -> dict:
         with open(path, "rb") as f:
-            return tomllib.load(f).get("algorithm")
+            return tomllib.load(f)
 
-    # the name's prefix alone is ambiguous (dp-sgd-* matches dp-sgd-la's files): the file's algorithm decides
-    handset = [p for p in sorted((Path(configs) / "handset").glob(f"{dataset}-eps{epsilon:g}-{method}*.toml"))
-               if algorithm(p) == method]
+    handset = sorted((Path(configs) / "handset").glob(f"{dataset}-eps{epsilon:g}-{method}*.toml"))
     tuned = tuned_config_path(dataset, epsilon, method, Path(configs) / "tuned")
-    path = handset[0] if handset else tuned if tuned.exists() else None
-    if path is None:
+    # the name's prefix alone is ambiguous (dp-sgd-* matches dp-sgd-la's files): the file's algorithm decides
+    found = [(p, v) for p, v in ((p, read(p)) for p in handset) if v.get("algorithm") == method]
+    found += [(tuned, read(tuned))] if not found and tuned.exists() else []
+    if not found:
         return None
-    with open(path, "rb") as f:
-        values = tomllib.load(f)
+    path, values = found[0]
     cfg = Config.from_mapping({k: v for k, v in values.items() if k in FIELD_BY_KEY})
     resolved = {**cfg.to_dict(), "logit-adjust-tau": cfg.tau}  # 'auto' as the run resolves it
     scale = PER_DATASET.get(dataset, {}).get("batch-scale", 1.0)
@@ -418,15 +417,15 @@ def _objective(trial, dataset: str, epsilon: float, method: str, root: Path) -> 
     return pack_terms(terms)
 
 
-def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, worker: int, finished: int,
-              quota: int, parent: int | None = None) -> None:
+def _optimize(root: str, dataset: str, epsilon: float, method: str, seed: int, finished: int, quota: int,
+              parent: int | None = None) -> None:
     """Run ``quota`` trials of the method's study (in a worker process of its own when jobs > 1, then ``parent``
     is the tuner's pid); ``finished`` seeds the sampler (``make_sampler``)."""
     global _PARENT_PID
     _PARENT_PID = parent
     logging.getLogger("absl").setLevel(logging.ERROR)
     root_path = Path(root)
-    study = open_study(root_path, dataset, epsilon, method, make_sampler(seed, method, worker, finished),
+    study = open_study(root_path, dataset, epsilon, method, make_sampler(seed, method, 0, finished),
                        make_pruner(trial_iterations(dataset)))
     study.optimize(lambda trial: _objective(trial, dataset, epsilon, method, root_path), n_trials=quota)
 
@@ -439,12 +438,11 @@ def _train_values(values: dict, parent: int) -> None:
 
 
 def _prepare_study(dataset: str, epsilon: float, method: str, trials: int, root: Path,
-                   warm_start: Path | None) -> tuple[int, int]:
-    """Open the method's study, re-enqueue interrupted trials and, with ``warm_start`` (a configs folder) on a study
-    without any trial, enqueue the method's shipped point (``shipped_point``; user attribute shipped = its file).
-    Returns (finished trials, trials still to run for ``trials``)."""
+                   shipped: tuple[dict, Path] | None) -> tuple[int, int]:
+    """Open the method's study, re-enqueue interrupted trials and, with ``shipped`` (``shipped_point``'s (params,
+    file)) on a study without any trial, enqueue that point (user attribute shipped = its file). Returns (finished
+    trials, trials still to run for ``trials``)."""
     study = open_study(root, dataset, epsilon, method)
-    shipped = shipped_point(dataset, epsilon, method, warm_start) if warm_start is not None else None
     if shipped is not None and not study.get_trials(deepcopy=False):
         study.enqueue_trial(shipped[0], user_attrs={"shipped": str(shipped[1])})
         log.info("%s: trial 0 is the shipped configuration %s", method, shipped[1])
@@ -459,23 +457,24 @@ def _prepare_study(dataset: str, epsilon: float, method: str, trials: int, root:
 
 
 def run_searches(dataset: str, epsilon: float, methods: list[str], trials: int, root: Path, seed: int = 0,
-                 jobs: int = 1, warm_start: Path | None = None) -> dict[str, int]:
+                 jobs: int = 1, shipped: dict[str, tuple[dict, Path] | None] | None = None) -> dict[str, int]:
     """Bring every method's study to ``trials`` finished trials with one pool of ``jobs`` worker processes over all
     the methods' trials, in the methods' order (a worker never idles while a method still has a trial to start; in
     this process when jobs <= 1). Each trial draws from its own TPE sampler seeded by (seed, method, its index among
-    the method's trials), so with jobs 1 a search is reproducible point for point. ``warm_start``: see
-    ``_prepare_study``. Call it holding the search's lock (``run_tune`` does). Returns method -> trials run now."""
+    the method's trials), so with jobs 1 a search is reproducible point for point. ``shipped``: method -> its
+    shipped point (``shipped_point``) to start an empty study with. Call it holding the search's lock (``run_tune``
+    does). Returns method -> trials run now."""
     tasks = []
     for method in methods:
-        finished, remaining = _prepare_study(dataset, epsilon, method, trials, root, warm_start)
+        finished, remaining = _prepare_study(dataset, epsilon, method, trials, root, (shipped or {}).get(method))
         tasks += [(method, finished + i) for i in range(remaining)]
     if jobs <= 1 or len(tasks) <= 1:
         for method, index in tasks:
-            _optimize(str(root), dataset, epsilon, method, seed, 0, index, 1)
+            _optimize(str(root), dataset, epsilon, method, seed, index, 1)
     else:  # spawn, not fork: see runner.run_many
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, 0, index, 1, os.getpid())
+            futures = [pool.submit(_optimize, str(root), dataset, epsilon, method, seed, index, 1, os.getpid())
                        for method, index in tasks]
             for f in futures:
                 f.result()
@@ -483,9 +482,9 @@ def run_searches(dataset: str, epsilon: float, methods: list[str], trials: int, 
 
 
 def run_search(dataset: str, epsilon: float, method: str, trials: int, root: Path, seed: int = 0,
-               jobs: int = 1, warm_start: Path | None = None) -> int:
+               jobs: int = 1) -> int:
     """``run_searches`` of one method; returns the number of trials run now."""
-    return run_searches(dataset, epsilon, [method], trials, root, seed, jobs, warm_start)[method]
+    return run_searches(dataset, epsilon, [method], trials, root, seed, jobs)[method]
 
 
 # ---- confirmation and selection ----
@@ -590,12 +589,11 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
     unknown = [m for m in methods if m not in SPACES]
     if unknown:
         raise ConfigError(f"--methods: got {unknown}; allowed: {', '.join(SPACES)}")
-    if warm_start:  # every shipped file checked before the first trial runs
-        for method in methods:
-            shipped_point(dataset, epsilon, method, configs)
+    # every shipped file read and checked before the first trial runs
+    shipped = {m: shipped_point(dataset, epsilon, m, configs) for m in methods} if warm_start else None
     with _search_lock(root, dataset, epsilon):
         _record_search(root, dataset, epsilon, methods, trials, seed, confirm_top, confirm_seeds, warm_start)
-        run_searches(dataset, epsilon, methods, trials, root, seed, jobs, configs if warm_start else None)
+        run_searches(dataset, epsilon, methods, trials, root, seed, jobs, shipped)
         plans = [c for m in methods for c in confirm_configs(dataset, epsilon, m, root, open_study(
             root, dataset, epsilon, m), confirm_top, confirm_seeds)]
         _run_confirmations(plans, jobs)

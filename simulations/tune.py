@@ -86,6 +86,11 @@ PER_DATASET = {
     "cifar10-st": {"validation-fraction": 0.2, "iterations": 200},
     "celeba": {"iterations": 300, "batch-scale": 0.5},  # 8,000 training images: half the batch sizes
 }
+# Per data set, the keys of every method that declares them (AlgorithmSpec.keys): a data set judged on declared
+# groups has the group-level DRO methods run over those groups (CelebA: worst-group accuracy over its 4 cells).
+PER_DATASET_IF_USED = {
+    "celeba": {"dro-groups": "attribute"},
+}
 # Per method: the searched keys and the keys every trial shares, declared with the algorithm
 # (common/algorithm_specs.py: AlgorithmSpec.space and .fixed).
 # Baselines first, then the DP-DRO methods (the order of the runs, the report and of ties between winners).
@@ -172,12 +177,14 @@ def _in_space(value, dim: SearchDimension) -> bool:
 
 
 def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir: Path, seed: int = 0) -> Config:
-    """The configuration of one trial: BASE, the data set's keys, the method's FIXED keys, the trial's
+    """The configuration of one trial: BASE, the data set's keys (PER_DATASET, and PER_DATASET_IF_USED where the
+    method declares the key), the method's FIXED keys, the trial's
     searched keys; batch sizes scaled by the data set's 'batch-scale', SPIDER difference (and s) batches at
     half (and equal to) the refresh batch; evaluated on the validation split only, EVALS_PER_TRIAL times.
     ``seed``: the run's seed (0 for the search, 1.. for the confirmation runs)."""
     per = dict(PER_DATASET.get(dataset, {}))
     scale = per.pop("batch-scale", 1.0)
+    per.update({k: v for k, v in PER_DATASET_IF_USED.get(dataset, {}).items() if k in ALGORITHM_SPECS[method].keys})
     values = {**BASE, **per, **FIXED.get(method, {}), **keys, "dataset": dataset, "algorithm": method,
               "epsilon": epsilon, "seed": seed, "eval-split": "validation", "out-dir": str(out_dir)}
     batch = int(values["refresh-batch"] * scale)

@@ -432,6 +432,32 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
                                                                "clip-diff-max": 1.0}
 
 
+def test_celeba_trials_run_the_group_level_methods_over_its_declared_groups(tmp_path):
+    """CelebA is judged on its 4 (Blond_Hair, Male) cells: the methods that declare dro-groups (the group-level paper
+    methods) run over them, in a trial and in a file transferred to CelebA; methods without the key are untouched."""
+    from dpdro.simulations import tune
+
+    for method in ("dp-double-spider", "recursive-spider"):
+        cfg = tune.trial_config("celeba", 4.0, method, {"refresh-batch": 1024}, tmp_path / method)
+        assert (cfg.dro_level, cfg.dro_groups) == ("group", "attribute")
+        assert tune.trial_config("mnist-st", 4.0, method, {"refresh-batch": 1024}, tmp_path).dro_groups == "class"
+    baseline = tune.trial_config("celeba", 4.0, "dp-sgda", {"refresh-batch": 1024}, tmp_path / "s")
+    assert "dro-groups" not in tune.final_keys(baseline)
+    src = tune.final_keys(tune.trial_config("mnist-st", 4.0, "dp-double-spider",
+                                            {"lr-x": 3.0, "refresh-batch": 1024}, tmp_path))
+    tune.write_toml(tmp_path / "configs" / "tuned" / "mnist-st-eps4-dp-double-spider.toml", src, "# Tuned.\n")
+    written = tune.transfer_tuned("celeba", "mnist-st", 4.0, ["dp-double-spider"], tmp_path / "configs")
+    got = Config.from_mapping(tomllib_load(written["dp-double-spider"]))
+    assert (got.dro_groups, got.lr_x, got.dataset) == ("attribute", 3.0, "celeba")
+
+
+def tomllib_load(path):
+    import tomllib
+
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
 def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp_path):
     """--transfer-from: each method's searched keys come from the source file (batches rescaled by the target's
     batch-scale), everything else from the target's trial keys; the report says where they came from."""

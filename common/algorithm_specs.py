@@ -180,7 +180,7 @@ declare_algorithm(AlgorithmSpec(
     quantities=("ce-grad",), logit_adjusted=True,
     space=_levers(_LR, tau=_TAU_LA)))
 declare_algorithm(AlgorithmSpec(
-    "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda"),
+    "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda", "dro-groups"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
     space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True),
            "noise-allocation": _ALLOCATION}))

@@ -280,9 +280,10 @@ FIELDS: tuple[Field, ...] = (
           "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
           "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
           choices=("record", "group"), role="algorithm"),
-    Field("dro-groups", "str", "class", "The groups of dro-level=group: 'class' (the K classes) or 'attribute' (the "
-          "data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data set without one "
-          "is refused). 'attribute' releases a histogram of the groups before training (prior-noise-multiplier).",
+    Field("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes) or "
+          "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
+          "set without one is refused). With dro-level=group, 'attribute' releases a histogram of the groups before "
+          "training (prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases.",
           choices=("class", "attribute"), role="algorithm"),
     Field("dro-reference", "str", "prior", "Reference distribution r of dro-level=group's psi-divergence "
           "D_psi(q || r): 'prior' (the group priors pi: the paper's centre, the empirical distribution, so q = pi is "
@@ -598,6 +599,14 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
     def uses_priors(self) -> bool:
         """Whether the run needs class priors pi (a logit adjustment at training or at prediction)."""
         return self.tau > 0 or self.posthoc_tau > 0 or (self.group_level and self.dro_groups == "class")
+
+    @property
+    def attribute_groups(self) -> bool:
+        """Whether the run's DRO groups are the declared group attribute: dro-groups=attribute for dp-sgda, or for a
+        paper method at dro-level=group (the data set must declare one: ``engine.check_groups``)."""
+        spec = ALGORITHM_SPECS[self.algorithm]
+        reads = "dro-groups" in spec.keys and ("dro-level" not in spec.keys or self.group_level)
+        return reads and self.dro_groups == "attribute"
 
     @property
     def uses_group_priors(self) -> bool:

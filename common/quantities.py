@@ -144,11 +144,22 @@ def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     return model.losses_and_grads(flat, x, y, problem.offset)[1]
 
 
+def uses_groups(fn: QuantityFn) -> QuantityFn:
+    """Mark a quantity that reads each record's group: the client passes ``groups`` (B,) int64, the record's
+    class with dro-groups=class or its declared group attribute with dro-groups=attribute (``Problem.group_by``);
+    a call without ``groups`` uses the classes y."""
+    fn.uses_groups = True
+    return fn
+
+
 @register_quantity("class-weighted-grad")
-def class_weighted_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
-    """extra[y] * grad_x l(x; xi): per-class weights (K,) given by the query (dp-sgda's descent), (B, d)."""
+@uses_groups
+def class_weighted_grad(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+    """extra[g] * grad_x l(x; xi): per-group weights (K,) given by the query (dp-sgda's descent), g the record's
+    class or declared group (as ``class_loss_stats``), (B, d)."""
     weights = torch.as_tensor(list(extra), dtype=flat.dtype, device=flat.device)
-    return model.losses_and_grads(flat, x, y, problem.offset)[1] * weights[y].unsqueeze(1)
+    grads = model.losses_and_grads(flat, x, y, problem.offset)[1]
+    return grads * weights[y if groups is None else groups].unsqueeze(1)
 
 
 @register_quantity("class-onehot")
@@ -167,22 +178,16 @@ def bounded_loss(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
 
 
 @register_quantity("class-loss-stats")
-def class_loss_stats(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
-    """[e_y min(l, B) ; e_y] per record, shape (B, 2K) with K = len(extra): summed, the per-class sums of
-    (bounded) losses and per-class counts (dp-sgda's ascent). Norm <= sqrt(B^2 + 1)."""
+@uses_groups
+def class_loss_stats(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+    """[e_g min(l, B) ; e_g] per record, shape (B, 2K) with K = len(extra), g the record's group (its class y, or
+    its declared group attribute with dro-groups=attribute): summed, the per-group sums of (bounded) losses and
+    per-group counts (dp-sgda's ascent). Norm <= sqrt(B^2 + 1)."""
     k = len(extra)
     with torch.no_grad():
         losses = torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound)
-    onehot = torch.nn.functional.one_hot(y, k).to(flat.dtype)
+    onehot = torch.nn.functional.one_hot(y if groups is None else groups, k).to(flat.dtype)
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
-
-
-def uses_groups(fn: QuantityFn) -> QuantityFn:
-    """Mark a quantity that reads each record's group: the client passes ``groups`` (B,) int64, the record's
-    class with dro-groups=class or its declared group attribute with dro-groups=attribute (``Problem.group_by``);
-    a call without ``groups`` uses the classes y."""
-    fn.uses_groups = True
-    return fn
 
 
 @register_quantity("group-onehot")

@@ -114,7 +114,7 @@ def _comparable(d: dict) -> dict:
 def check_groups(cfg: Config, num_groups: int) -> None:
     """Refuse dro-groups=attribute on a data set that declares no group attribute (num_groups 0), before any
     release: ConfigError naming the key, the data set and what is allowed."""
-    if cfg.uses_group_priors and num_groups == 0:
+    if cfg.attribute_groups and num_groups == 0:
         raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
                           "attribute (allowed: 'class', or a data set with groups such as celeba)")
 

@@ -101,10 +101,37 @@ def test_group_double_spider_over_a_declared_group_attribute(tmp_path):
     assert "group-histogram" in mechanisms and "class-histogram" not in mechanisms
 
 
-def test_group_attribute_is_refused_for_a_data_set_without_one(tmp_path):
+def test_dp_sgda_over_a_declared_group_attribute(tmp_path):
+    """dp-sgda with dro-groups=attribute (the baseline gets the groups the paper methods get): full batch, no
+    noise, its ascent on the group weights p and its running group frequencies pi, computed here independently."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="dp-sgda", **{"dro-groups": "attribute", "lr-p": 0.5, "lambda": 0.2})
+    model = FlatModel(make_model("cnn", K, cfg.seed, torch.float64))
+    groups, x = data.groups.numpy(), model.initial().clone()
+    p, pi = np.full(G, 1 / G), np.full(G, 1 / G)
+    counts = np.bincount(groups, minlength=G).astype(float)
+    for _ in range(cfg.iterations):
+        xx = x.detach().requires_grad_(True)
+        losses = model.losses(xx, data.x, data.y)
+        (grad,) = torch.autograd.grad((torch.as_tensor(p / pi)[data.groups] * losses).mean(), xx)
+        clamped = np.minimum(losses.detach().numpy(), cfg.loss_bound)
+        lk = np.bincount(groups, weights=clamped, minlength=G) / counts
+        logits = np.log(p) + cfg.lr_p * (lk - cfg.lambda_ * np.log(G * p))
+        p = np.exp(logits - logits.max())
+        p = p / p.sum()
+        pi = 0.9 * pi + 0.1 * counts / counts.sum()
+        x = x.detach() - cfg.lr_x * grad
+    got = train(cfg, LocalTransport(cfg, data), data).params
+    np.testing.assert_allclose(got, x.numpy(), rtol=1e-7, atol=1e-9)
+    by_class = cfg_of(tmp_path / "c", algorithm="dp-sgda", **{"lr-p": 0.5, "lambda": 0.2})
+    assert np.abs(train(by_class, LocalTransport(by_class, data), data).params - got).max() > 1e-6
+
+
+@pytest.mark.parametrize("algorithm", ["recursive-spider", "dp-sgda"])
+def test_group_attribute_is_refused_for_a_data_set_without_one(tmp_path, algorithm):
     data = tiny_data()
     plain = ArrayDataset(data.x, data.y, K, "tiny")
-    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **{"dro-groups": "attribute"})
+    cfg = cfg_of(tmp_path, algorithm=algorithm, **{"dro-groups": "attribute"})
     with pytest.raises(ConfigError, match="dro-groups.*declares no group attribute"):
         train(cfg, LocalTransport(cfg, plain), plain)
     assert not (tmp_path / "run" / "events.jsonl").exists()  # refused before any release

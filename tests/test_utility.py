@@ -434,14 +434,15 @@ def test_hazard_variants_change_one_key_of_the_tuned_configs(tmp_path):
 
 def test_celeba_trials_run_the_group_level_methods_over_its_declared_groups(tmp_path):
     """CelebA is judged on its 4 (Blond_Hair, Male) cells: the methods that declare dro-groups (the group-level paper
-    methods) run over them, in a trial and in a file transferred to CelebA; methods without the key are untouched."""
+    methods and dp-sgda) run over them, in a trial and in a file transferred to CelebA; methods without the key are
+    untouched."""
     from dpdro.simulations import tune
 
-    for method in ("dp-double-spider", "recursive-spider"):
+    for method in ("dp-double-spider", "recursive-spider", "dp-sgda"):
         cfg = tune.trial_config("celeba", 4.0, method, {"refresh-batch": 1024}, tmp_path / method)
-        assert (cfg.dro_level, cfg.dro_groups) == ("group", "attribute")
+        assert cfg.dro_groups == "attribute" and cfg.attribute_groups
         assert tune.trial_config("mnist-st", 4.0, method, {"refresh-batch": 1024}, tmp_path).dro_groups == "class"
-    baseline = tune.trial_config("celeba", 4.0, "dp-sgda", {"refresh-batch": 1024}, tmp_path / "s")
+    baseline = tune.trial_config("celeba", 4.0, "dp-sgd-la", {"refresh-batch": 1024}, tmp_path / "s")
     assert "dro-groups" not in tune.final_keys(baseline)
     src = tune.final_keys(tune.trial_config("mnist-st", 4.0, "dp-double-spider",
                                             {"lr-x": 3.0, "refresh-batch": 1024}, tmp_path))

@@ -2,6 +2,9 @@
 
     min_x max_{p in simplex_K} sum_k p_k l_k(x) - lambda KL(p || uniform_K),  l_k = mean loss of class k.
 
+The K groups are the classes, or with dro-groups=attribute the data set's declared group attribute (e.g. CelebA's
+4 cells 2 * Blond_Hair + Male): the same information the group-level paper methods get (ALGORITHMS.md 3.3).
+
 Per iteration, two releases on independent Poisson batches (one round), both at x_t:
   'class-stats': noisy sums of clip_{C_s}([e_y min(l, B) ; e_y]) -> per-class loss sums and counts;
   'grad':        noisy mean of clip_{C_x}(w_y grad l) with public weights w_k = p_k / pi_k, pi the running
@@ -46,20 +49,25 @@ class DpSgda(Algorithm):
     def plan(self) -> dict[Mechanism, int]:
         return {m: self.cfg.iterations for m in self.mechanisms()}
 
+    @property
+    def k(self) -> int:
+        """The number of groups: the K classes, or the declared group attribute's G (dro-groups=attribute)."""
+        return self.num_groups if self.cfg.dro_groups == "attribute" else self.num_classes
+
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        return {"class-stats": NoiseProfile(2 * self.num_classes, self.cfg.clip_stats, 1.0),
+        return {"class-stats": NoiseProfile(2 * self.k, self.cfg.clip_stats, 1.0),
                 "grad": NoiseProfile(self.dim, self.cfg.clip_x, 1.0)}
 
     def init_state(self, x0: np.ndarray) -> SgdaState:
         x0 = np.asarray(x0, dtype=np.float64)
-        k = self.num_classes
+        k = self.k
         return SgdaState(x=x0.copy(), x_prev=x0.copy(), p=np.full(k, 1.0 / k), pi=np.full(k, 1.0 / k))
 
     def versions(self, state: SgdaState) -> dict[int, np.ndarray]:
         return {state.t: state.x}
 
     def queries(self, state: SgdaState) -> list[Query]:
-        c, t, k = self.cfg, state.t, self.num_classes
+        c, t, k = self.cfg, state.t, self.k
         r = self.rate(c.refresh_batch)
         weights = tuple(float(w) for w in state.p / state.pi)
         return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(c.clip_stats),
@@ -68,7 +76,7 @@ class DpSgda(Algorithm):
                       extra=weights)]
 
     def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:
-        c, k = self.cfg, self.num_classes
+        c, k = self.cfg, self.k
         expected = self.rate(c.refresh_batch) * self.n  # released means are sums / expected batch
         sums, counts = released["class-stats"][:k] * expected, released["class-stats"][k:] * expected
         counts = np.maximum(counts, 1.0)

@@ -152,3 +152,37 @@ def test_runs_under_the_old_delta_rule_are_carried_marked_until_replaced(tmp_pat
     (docs / "results-carry.csv").write_text(header + lines[1][:-2] + "x\n")  # the last digit of its sha changed
     sweep.write_report(root, "carry", docs, configs)
     assert sorted(_rows(docs)) == [("dp-sgd", 0)]
+
+
+def _figure_rows(dataset, method, eps, figures):
+    return [{"dataset": dataset, "algorithm": method, "epsilon_target": eps, "seed": i, "test_accuracy": a,
+             "worst_accuracy": w, "delta": "1/(10 n)"} for i, (a, w) in enumerate(figures)]
+
+
+def test_the_paper_methods_are_judged_against_the_best_other_method_and_their_goal():
+    """RESULTS.md's issue-22 lines: the best paper method (by mean worst) against the best of every other method,
+    DP-SGDA included, and the goal figure with its gap; a method missing from a cell is left out."""
+    from collections import defaultdict
+
+    from dpdro.simulations.tables import paper_goal_lines, paper_lines
+
+    rows = (_figure_rows("mnist-st", "dp-double-spider", 4.0, [(0.92, 0.80), (0.92, 0.78)])
+            + _figure_rows("mnist-st", "recursive-spider", 4.0, [(0.95, 0.60), (0.93, 0.70)])
+            + _figure_rows("mnist-st", "dp-sgda", 4.0, [(0.86, 0.82), (0.87, 0.81)])
+            + _figure_rows("mnist-st", "dp-sgd-la", 4.0, [(0.90, 0.70), (0.90, 0.70)])
+            + _figure_rows("mnist-st", "dp-sgd-la", 1.0, [(0.60, 0.10)]))
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["dataset"], r["algorithm"], r["epsilon_target"])].append(r)
+    lines = paper_lines(groups, "mnist-st", (1.0, 4.0))
+    assert len(lines) == 1  # epsilon 1 has no paper method
+    assert "best paper method **dp-double-spider** (worst 0.790 +/- 0.014" in lines[0]
+    assert "best other method **dp-sgda** (worst 0.815 +/- 0.007" in lines[0]
+    assert "worst -0.025 (worse), accuracy +0.055" in lines[0]
+    (goal,) = paper_goal_lines(groups)
+    assert "**dp-double-spider** reaches worst 0.790" in goal
+    assert "goal **not reached** (worst -0.060 from the goal)" in goal
+    assert "against dp-sgda (worst 0.815): -0.025" in goal
+    groups[("mnist-st", "recursive-spider", 4.0)] = _figure_rows("mnist-st", "recursive-spider", 4.0, [(0.9, 0.86)])
+    assert "**recursive-spider** reaches worst 0.860" in paper_goal_lines(groups)[0]
+    assert "goal **reached**" in paper_goal_lines(groups)[0]

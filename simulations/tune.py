@@ -560,8 +560,9 @@ def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path,
     """Train one hand-set point of ``method`` with a trial's protocol (``trial_config``: the validation split, the
     trial length, the method's FIXED keys; ``keys`` override the rest) *outside* the search: it is not recorded in
     the study, does not count towards any budget and chooses nothing. For diagnostics (e.g. a method at another
-    method's setting). Runs in <root>/<dataset>/eps<e>/probes/<method>-<12 hex digits of the keys> (resumed if
-    unfinished) and returns its summary.json. Raises ConfigError for an unknown key or bad value, before any work."""
+    method's setting). Runs in <root>/<dataset>/eps<e>/probes/<method>-<12 hex digits of the keys>[-seed<s> for a
+    seed other than 0] (resumed if unfinished) and returns its summary.json. Raises ConfigError for an unknown key
+    or bad value, before any work."""
     import hashlib
 
     from .runner import run_one
@@ -570,7 +571,8 @@ def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path,
     # an unknown key stays as it is for trial_config's Config to refuse, before any run
     keys = {k: FIELD_BY_KEY[k].parse(v) if k in FIELD_BY_KEY else v for k, v in keys.items()}
     tag = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    out = search_dir(root, dataset, epsilon) / "probes" / f"{method}-{tag}"
+    # seed 0 keeps the folder it always had; another seed (a confirmation of the point) gets its own
+    out = search_dir(root, dataset, epsilon) / "probes" / f"{method}-{tag}{f'-seed{seed}' if seed else ''}"
     default_batch = Config.from_mapping({}).refresh_batch  # a trial always draws one; a probe may leave it out
     cfg = trial_config(dataset, epsilon, method, {"refresh-batch": default_batch, **keys}, out, seed)
     if not (out / "summary.json").exists():

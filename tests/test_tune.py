@@ -338,7 +338,11 @@ def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_pat
     # the batch as the CLI gives it (text): the protocol scales it and halves it for the difference batch
     assert main([*args, "refresh-batch=1024"]) == 0 and len(calls) == 2
     assert (calls[-1]["refresh-batch"], calls[-1]["diff-batch"], calls[-1]["s-batch"]) == (1024, 512, 1024)
-    assert main([*args, "refresh-batchh=1024"]) == 2 and len(calls) == 2  # an unknown key: refused
+    # another seed of the same point is another run, in its own folder (a confirmation), then resumed as well
+    assert main([*args, "--seed", "2"]) == 0 and len(calls) == 3 and calls[-1]["seed"] == 2
+    assert Path(calls[-1]["out-dir"]).name == Path(values["out-dir"]).name + "-seed2"
+    assert main([*args, "--seed", "2"]) == 0 and len(calls) == 3
+    assert main([*args, "refresh-batchh=1024"]) == 2 and len(calls) == 3  # an unknown key: refused
 
 
 def test_warm_start_enqueues_each_methods_shipped_point_within_the_same_budget(tmp_path, fake):

@@ -194,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from dpdro.server.prediction import accuracy, data_label, predict, write_predictions_csv
 
-    p = predict(args.run, args.data, parse_set_args(args.set or []))
+    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=args.posthoc_tau)
     out = Path(args.out) if args.out else Path(args.run) / f"predictions_{data_label(args.data)}.csv"
     write_predictions_csv(p, out)
     acc = accuracy(p)
@@ -206,12 +206,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from dpdro.server.prediction import data_label, metrics, predict, write_confusion_png
 
-    p = predict(args.run, args.data, parse_set_args(args.set or []))
+    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=args.posthoc_tau)
     m = metrics(p)
     png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
     write_confusion_png(p, m, png, args.data)
     classes = p.spec.classes
-    print(f"data {args.data}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
+    tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if args.posthoc_tau is not None else ""
+    print(f"data {args.data}{tau}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
           f"{m['worst_class_accuracy']:.4f} (class {classes[m['worst_class']]})"
           + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else ""))
     print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
@@ -552,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
         s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
                                      "RUN_DIR/plots/confusion_<data>.png for evaluate)")
+        s.add_argument("--posthoc-tau", type=float, metavar="TAU",
+                       help="predict with post-hoc logit adjustment TAU instead of the run's (on the class priors "
+                            "the run released; no budget spent); e.g. to choose TAU on --data validation")
     s = sub.add_parser("export", help="a finished run's model as an ONNX file (needs the extra dpdro[onnx])")
     s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
     s.add_argument("--format", default="onnx", choices=("onnx",), help="file format (onnx: logits and the run's "

@@ -136,12 +136,17 @@ def _spec(run_dir):
 
 
 def predict(run_dir: str | Path, data="test", overrides: dict | None = None, *,
-            module: nn.Module | None = None) -> Predictions:
+            module: nn.Module | None = None, posthoc_tau: float | None = None) -> Predictions:
     """Predictions of the run's model (model.pt built from model.json, or loaded into ``module``: needed for a
     run of ``dpdro.fit`` with a module object) on ``data`` (module docstring), with the run's post-hoc logit
-    adjustment; for the run's own splits the same batches as its evaluation, hence the same predictions.
-    Raises ConfigError, DataError (naming the file, line or folder), RunFileError (missing model files)."""
+    adjustment, or with ``posthoc_tau`` instead: argmax(logits - posthoc_tau log pi) with the priors pi the run
+    released (and charged), post-processing that spends no budget (Menon et al. 2021, eq. 8). For the run's own
+    splits the same batches as its evaluation, hence the same predictions. Raises ConfigError (also for a
+    ``posthoc_tau`` that is negative, or non-zero for a run that released no priors), DataError (naming the file,
+    line or folder), RunFileError (missing model files)."""
     model, spec = load_model(run_dir, module=module)
+    if posthoc_tau is not None:
+        spec = with_posthoc_tau(spec, posthoc_tau)
     records = load_data(run_dir, data, overrides, spec)
     if list(records.x.shape[1:]) != spec.input_shape:
         raise DataError(f"data {data_label(data)!r}: records of shape {tuple(records.x.shape[1:])}, the model "
@@ -152,6 +157,21 @@ def predict(run_dir: str | Path, data="test", overrides: dict | None = None, *,
     return Predictions(predict_classes(logits, shift), records.labels,
                        torch.softmax(adjusted.double(), 1).numpy(), records.groups, records.num_groups, spec,
                        records.sources)
+
+
+def with_posthoc_tau(spec: ModelSpec, tau: float) -> ModelSpec:
+    """``spec`` predicting with post-hoc tau ``tau`` >= 0 (a public choice) on the run's released priors. Raises
+    ConfigError for a negative tau, or a positive one when the run released no priors (its logit-adjust-tau and
+    posthoc-tau were 0: a histogram release would have to be charged first)."""
+    import dataclasses
+
+    if not tau >= 0:
+        raise ConfigError(f"--posthoc-tau: got {tau}; allowed: >= 0")
+    if tau > 0 and spec.priors is None:
+        raise ConfigError(f"--posthoc-tau: got {tau}, but this run released no class priors (its logit-adjust-tau "
+                          "and posthoc-tau were 0); allowed: 0, or train with posthoc-tau > 0 so the priors are "
+                          "released and charged")
+    return dataclasses.replace(spec, posthoc_tau=float(tau))
 
 
 def accuracy(p: Predictions) -> float | None:

@@ -121,6 +121,38 @@ def test_predict_on_the_test_split_reproduces_the_reported_accuracy_exactly(fini
     assert (run / "plots" / "confusion_test.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_evaluate_with_another_posthoc_tau_predicts_with_the_released_priors(finished, capsys):
+    """--posthoc-tau T: argmax(logits - T log pi) on the run's released priors, computed here from the raw
+    logits; T 0 is the plain argmax; the run's own tau reproduces its report; a negative T is refused."""
+    from dpdro.common.config import ConfigError
+    from dpdro.server.prediction import load_data, predict
+
+    run, summary = finished
+    model, spec = load_model(run)
+    records = load_data(run, "test", None, spec)
+    with torch.no_grad():
+        logits = model(records.x.float()).double().numpy()
+    log_pi = np.log(np.asarray(spec.priors))
+    for tau in (0.0, 0.5, 2.0):
+        expected = np.argmax(logits - tau * log_pi, axis=1)
+        assert np.array_equal(predict(run, "test", posthoc_tau=tau).predicted, expected)
+    assert np.mean(predict(run, "test", posthoc_tau=1.0).predicted == records.labels) == summary["test_accuracy"]
+    capsys.readouterr()
+    assert main(["evaluate", "--run", str(run), "--data", "test", "--posthoc-tau", "0"]) == 0
+    plain = float(np.mean(np.argmax(logits, axis=1) == records.labels))
+    assert f"data test (post-hoc tau 0): 300 records, accuracy {plain:.4f}" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--posthoc-tau: got -1.0; allowed: >= 0"):
+        predict(run, "test", posthoc_tau=-1.0)
+    import dataclasses
+
+    from dpdro.server.prediction import with_posthoc_tau
+
+    without = dataclasses.replace(spec, priors=None)  # a run that released no priors
+    assert with_posthoc_tau(without, 0.0).prediction_shift is None
+    with pytest.raises(ConfigError, match="released no class priors"):
+        with_posthoc_tau(without, 0.5)
+
+
 def test_model_pt_loads_into_a_fresh_model_built_from_model_json(finished):
     run, _ = finished
     meta = json.load(open(run / "model.json"))

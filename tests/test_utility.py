@@ -553,3 +553,14 @@ def test_baseline_variants_carry_the_baseline_setting_into_double_spider(tmp_pat
         cfg = Config.from_mapping(keys)
         assert algo == cfg.algorithm == "dp-double-spider" and cfg.lr_x == 6.0 and cfg.refresh_batch == 2048
         assert cfg.posthoc_tau == 0.5 and cfg.tau == 1.0 and cfg.q == 1 and cfg.lambda_ == 1.0
+
+
+def test_hazards_header_states_the_runs_own_delta_and_accountant(tmp_path):
+    from dpdro.simulations.hazards import _privacy_words
+
+    assert _privacy_words(tmp_path) == "no finished runs"
+    for label, summary in [("a", {"delta": 3.3313e-06, "accountant": "pld"}), ("b", {"delta": 1.19e-05})]:
+        (tmp_path / label / "seed0").mkdir(parents=True)
+        (tmp_path / label / "seed0" / "summary.json").write_text(json.dumps(summary))
+    # a summary without an accountant field predates the PLD default: RDP
+    assert _privacy_words(tmp_path) == "delta 1.19e-05, RDP accountant; delta 3.33e-06, PLD accountant"

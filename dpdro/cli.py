@@ -206,18 +206,49 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from dpdro.server.prediction import data_label, metrics, predict, write_confusion_png
 
-    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=args.posthoc_tau)
+    taus = args.posthoc_tau or []
+    if len(taus) > 1:
+        return _evaluate_posthoc_taus(args, taus)
+    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=taus[0] if taus else None)
     m = metrics(p)
     png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
     write_confusion_png(p, m, png, args.data)
     classes = p.spec.classes
-    tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if args.posthoc_tau is not None else ""
+    tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if taus else ""
     print(f"data {args.data}{tau}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
           f"{m['worst_class_accuracy']:.4f} (class {classes[m['worst_class']]})"
           + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else ""))
     print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
                                                                            strict=True)))
     print(f"confusion matrix: {png}")
+    return 0
+
+
+def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
+    """``dpdro evaluate --posthoc-tau T1 T2 ...``: one line per tau (the model runs once) and the tau the tuning
+    score chooses among those with accuracy >= --min-accuracy (``simulations.objective.choose_by_objective``);
+    the confusion matrix of the chosen one. Post-processing: no budget spent."""
+    from dpdro.server.prediction import data_label, metrics, predict_posthoc_taus, write_confusion_png
+    from dpdro.simulations.objective import choose_by_objective, objective_terms
+
+    if not 0.0 <= args.min_accuracy <= 1.0:
+        raise ConfigError(f"--min-accuracy: got {args.min_accuracy}; allowed: [0, 1]")
+    preds = predict_posthoc_taus(args.run, args.data, taus, parse_set_args(args.set or []))
+    rows = [metrics(p) for p in preds]
+    print(f"data {args.data}: {rows[0]['records']} records; post-hoc tau on the run's released priors (no budget)")
+    for tau, m in zip(taus, rows, strict=True):
+        units = m["per_group_accuracy"] if "per_group_accuracy" in m else m["per_class_accuracy"]
+        worst, two_lowest, _ = objective_terms(units, m["accuracy"])
+        print(f"  tau {tau:g}: accuracy {m['accuracy']:.4f}, worst-{'group' if 'per_group_accuracy' in m else 'class'}"
+              f" accuracy {worst:.4f}, two lowest {two_lowest:.4f}")
+    chosen = choose_by_objective(rows, args.min_accuracy)
+    if chosen is None:
+        print(f"chosen: none (no tau reaches accuracy {args.min_accuracy:g})")
+        return 1
+    png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+    write_confusion_png(preds[chosen], rows[chosen], png, args.data)
+    print(f"chosen: tau {taus[chosen]:g} (worst, then the two lowest, then accuracy; among accuracy >= "
+          f"{args.min_accuracy:g}); its confusion matrix: {png}")
     return 0
 
 
@@ -553,9 +584,18 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
         s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
                                      "RUN_DIR/plots/confusion_<data>.png for evaluate)")
-        s.add_argument("--posthoc-tau", type=float, metavar="TAU",
-                       help="predict with post-hoc logit adjustment TAU instead of the run's (on the class priors "
-                            "the run released; no budget spent); e.g. to choose TAU on --data validation")
+        if name == "predict":
+            s.add_argument("--posthoc-tau", type=float, metavar="TAU",
+                           help="predict with post-hoc logit adjustment TAU instead of the run's (on the class "
+                                "priors the run released; no budget spent)")
+        else:
+            s.add_argument("--posthoc-tau", type=float, nargs="+", metavar="TAU",
+                           help="evaluate with post-hoc logit adjustment TAU instead of the run's (on the class "
+                                "priors the run released; no budget spent); several values: one line each and the "
+                                "choice of the tuning score (worst class, then the two lowest, then accuracy) among "
+                                "those with accuracy >= --min-accuracy, e.g. to choose TAU on --data validation")
+            s.add_argument("--min-accuracy", type=float, default=0.0, metavar="A",
+                           help="with several --posthoc-tau values: choose only among those with accuracy >= A")
     s = sub.add_parser("export", help="a finished run's model as an ONNX file (needs the extra dpdro[onnx])")
     s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
     s.add_argument("--format", default="onnx", choices=("onnx",), help="file format (onnx: logits and the run's "

@@ -147,11 +147,32 @@ def predict(run_dir: str | Path, data="test", overrides: dict | None = None, *,
     model, spec = load_model(run_dir, module=module)
     if posthoc_tau is not None:
         spec = with_posthoc_tau(spec, posthoc_tau)
+    records, logits = _logits(model, spec, run_dir, data, overrides)
+    return _predictions(logits, records, spec)
+
+
+def predict_posthoc_taus(run_dir: str | Path, data, taus: list[float], overrides: dict | None = None, *,
+                         module: nn.Module | None = None) -> list[Predictions]:
+    """``predict`` at each post-hoc tau of ``taus`` (same order), the model run once over ``data``: the cheap way
+    to choose tau on the validation split (post-processing of the released model with the released priors; no
+    budget spent). Raises as ``predict``, before the model runs, for any tau it would refuse."""
+    model, spec = load_model(run_dir, module=module)
+    specs = [with_posthoc_tau(spec, float(tau)) for tau in taus]
+    records, logits = _logits(model, spec, run_dir, data, overrides)
+    return [_predictions(logits, records, s) for s in specs]
+
+
+def _logits(model: nn.Module, spec: ModelSpec, run_dir, data, overrides) -> tuple[Records, torch.Tensor]:
+    """The records ``data`` names and the model's raw logits (N, K) on them; DataError for a wrong input shape."""
     records = load_data(run_dir, data, overrides, spec)
     if list(records.x.shape[1:]) != spec.input_shape:
         raise DataError(f"data {data_label(data)!r}: records of shape {tuple(records.x.shape[1:])}, the model "
                         f"takes {tuple(spec.input_shape)}")
-    logits = predict_logits(model, records.x, spec.torch_dtype)
+    return records, predict_logits(model, records.x, spec.torch_dtype)
+
+
+def _predictions(logits: torch.Tensor, records: Records, spec: ModelSpec) -> Predictions:
+    """Predictions from raw logits with ``spec``'s post-hoc adjustment."""
     shift = spec.prediction_shift
     adjusted = logits if shift is None else logits + torch.as_tensor(shift).to(logits.dtype)
     return Predictions(predict_classes(logits, shift), records.labels,

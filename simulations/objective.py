@@ -66,3 +66,24 @@ def evaluation_terms(row: Mapping) -> tuple[float, float, float]:
     the row has per_group_accuracy, else over the classes. Raises KeyError for a row without them."""
     units = row["per_group_accuracy"] if row.get("per_group_accuracy") is not None else row["per_class_accuracy"]
     return objective_terms(units, row["test_accuracy"])
+
+
+def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.0) -> int | None:
+    """Index of the evaluation with the highest ``validation_objective`` among those whose accuracy is at least
+    ``min_accuracy`` (the first of equal scores), or None when none is. The rule ``dpdro evaluate --posthoc-tau
+    T1 T2 ...`` applies to choose a post-hoc tau on the validation split (issue 22: a goal with an accuracy floor).
+
+    evaluations: ``server.prediction.metrics`` dicts (keys accuracy, per_class_accuracy, optionally
+    per_group_accuracy: the groups count instead of the classes, as in tuning). min_accuracy in [0, 1], else
+    ValueError."""
+    if not 0.0 <= min_accuracy <= 1.0:
+        raise ValueError(f"min-accuracy: got {min_accuracy}; allowed: [0, 1]")
+    best, best_score = None, -1.0
+    for i, m in enumerate(evaluations):
+        if m["accuracy"] < min_accuracy:
+            continue
+        units = m["per_group_accuracy"] if m.get("per_group_accuracy") is not None else m["per_class_accuracy"]
+        score = validation_objective(units, m["accuracy"])
+        if score > best_score:
+            best, best_score = i, score
+    return best

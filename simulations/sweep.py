@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.config import Config
+from ..common.config import Config, ConfigError
 from ..common.data import DataError, data_missing
 from .tables import LEGACY_DELTA, carried_sentence, delta_words, legacy_mark, write_tuned_report
 from .tuned import TUNED_CONFIGS, tuned_config_path
@@ -127,6 +127,13 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     from .runner import run_many
 
     cfgs = plan_runs(PROFILES[profile_name], root, datasets, tuned_folder, algorithms, epsilons, seeds)
+    stale = changed_runs(cfgs)
+    if stale:
+        raise ConfigError(f"{len(stale)} finished run directories were made with another configuration than the "
+                          "config files now plan (e.g. a method tuned again), so skipping them would report the "
+                          "old experiment as the new one: " + "; ".join(f"{d} (config_sha {have}, planned {want})"
+                                                                       for d, have, want in stale)
+                          + ". Move them away (e.g. to <dir>.old) and the sweep runs them again.")
     counts = {"done": 0, "skipped": 0, "missing-data": 0}
     todo = []
     for cfg in cfgs:
@@ -154,6 +161,22 @@ def run_sweep(profile_name: str, root: Path, transport: str = "local", datasets:
     counts["missing-data"] = len(todo) - len(runnable)
     counts["done"] = len(run_many(runnable, jobs, f"sweep {profile_name}"))
     return counts
+
+
+def changed_runs(planned: list[Config]) -> list[tuple[str, str, str]]:
+    """(run directory, its config_sha, the planned config_sha) of each planned run that finished (summary.json)
+    under another configuration than the planned one (``config_fingerprint`` of its config.json). A finished run
+    directory without config.json is not compared."""
+    from ..server.engine import load_run_config
+
+    out = []
+    for cfg in planned:
+        run = Path(cfg.out_dir)
+        if (run / "summary.json").exists() and (run / "config.json").exists():
+            have, want = config_fingerprint(load_run_config(run)), config_fingerprint(cfg)
+            if have != want:
+                out.append((str(run), have, want))
+    return out
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -276,11 +299,18 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
     profile = PROFILES[profile_name]
     suffix = "" if profile_name == "tuned" else f"-{profile_name}"
     csv_path, curves_path = docs / f"results{suffix}.csv", docs / f"curves{suffix}.csv"
-    rows = collect(root, profile_name)
+    planned = plan_runs(profile, root, tuned_folder=(configs or TUNED_CONFIGS.parent) / "tuned")
+    want = {(c.dataset, c.algorithm, float(c.epsilon), int(c.seed)): config_fingerprint(c) for c in planned}
+    rows = []
+    for r in collect(root, profile_name):  # a run of an older configuration of its cell is not the planned one
+        if r["config_sha"] and want.get(_cell(r), r["config_sha"]) != r["config_sha"]:
+            log.warning("%s %s eps %g seed %d: its run directory has config_sha %s, the config files plan %s; "
+                        "left out of the report", *_cell(r), r["config_sha"], want[_cell(r)])
+            continue
+        rows.append(r)
     curves = curve_rows(root, profile, rows)
     if carry:
-        tuned = (configs or TUNED_CONFIGS.parent) / "tuned"
-        kept = carried_rows(csv_path, plan_runs(profile, root, tuned_folder=tuned), rows)
+        kept = carried_rows(csv_path, planned, rows)
         rows += kept
         curves += carried_curves(curves_path, kept)
     rows.sort(key=_cell)

@@ -153,6 +153,35 @@ def test_evaluate_with_another_posthoc_tau_predicts_with_the_released_priors(fin
         with_posthoc_tau(without, 0.5)
 
 
+def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_score(finished, capsys):
+    """--posthoc-tau T1 T2 ...: the model runs once, each tau's figures equal a single-tau evaluation, and the
+    chosen tau is the best tuning score among those reaching --min-accuracy."""
+    from dpdro.server.prediction import metrics, predict
+    from dpdro.simulations.objective import objective_terms
+
+    run, _ = finished
+    taus = [0.0, 1.0, 3.0]
+    singles = [metrics(predict(run, "test", posthoc_tau=t)) for t in taus]
+    terms = [objective_terms(m["per_class_accuracy"], m["accuracy"]) for m in singles]
+    capsys.readouterr()
+    png = run / "chosen.png"
+    assert main(["evaluate", "--run", str(run), "--posthoc-tau", "0", "1", "3", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    for tau, (worst, two_lowest, acc) in zip(taus, terms, strict=True):
+        assert (f"tau {tau:g}: accuracy {acc:.4f}, worst-class accuracy {worst:.4f}, two lowest "
+                f"{two_lowest:.4f}") in out
+    best = max(range(3), key=lambda i: (round(terms[i][0], 4), round(terms[i][1], 4), round(terms[i][2], 4), -i))
+    assert f"chosen: tau {taus[best]:g} " in out and png.read_bytes()[:8] == PNG_MAGIC
+    # a floor above every tau's accuracy: nothing is chosen, exit status 1
+    floor = max(t[2] for t in terms) + 1e-3
+    if floor <= 1.0:
+        assert main(["evaluate", "--run", str(run), "--posthoc-tau", "0", "1", "--min-accuracy", str(floor),
+                     "--out", str(png)]) == 1
+        assert "chosen: none" in capsys.readouterr().out
+    assert main(["evaluate", "--run", str(run), "--posthoc-tau", "0", "1", "--min-accuracy", "2"]) == 2
+    assert "--min-accuracy: got 2.0; allowed: [0, 1]" in capsys.readouterr().err
+
+
 def test_model_pt_loads_into_a_fresh_model_built_from_model_json(finished):
     run, _ = finished
     meta = json.load(open(run / "model.json"))

@@ -186,3 +186,30 @@ def test_the_paper_methods_are_judged_against_the_best_other_method_and_their_go
     groups[("mnist-st", "recursive-spider", 4.0)] = _figure_rows("mnist-st", "recursive-spider", 4.0, [(0.9, 0.86)])
     assert "**recursive-spider** reaches worst 0.860" in paper_goal_lines(groups)[0]
     assert "goal **reached**" in paper_goal_lines(groups)[0]
+
+
+def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reported(tmp_path, profile, monkeypatch):
+    """A method tuned again after its runs finished: the sweep skipped the finished directories (summary.json
+    exists) and the report showed the old experiment under the new configuration's name."""
+    from dpdro.common.config import ConfigError
+    from dpdro.simulations import runner
+
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    planned = sweep.plan_runs(profile, root, tuned_folder=_tuned(configs))
+    for cfg in planned:
+        _finish(cfg, 0.8)
+    _tuned(configs, la_lr=7.5)  # dp-sgd-la tuned again
+    assert sorted(Path(d).name for d, _, _ in sweep.changed_runs(
+        sweep.plan_runs(profile, root, tuned_folder=configs / "tuned"))) == ["seed0", "seed1"]
+    started = []
+    monkeypatch.setattr(sweep, "data_missing", lambda cfg: None)
+    monkeypatch.setattr(runner, "run_many", lambda cfgs, jobs, label: started.extend(cfgs) or cfgs)
+    with pytest.raises(ConfigError, match=r"2 finished run directories were made with another configuration"):
+        sweep.run_sweep("carry", root, tuned_folder=configs / "tuned")
+    assert started == []  # refused before any work
+    sweep.write_report(root, "carry", docs, configs)
+    assert sorted(_rows(docs)) == [("dp-sgd", 0), ("dp-sgd", 1)]
+    for d, _, _ in sweep.changed_runs(sweep.plan_runs(profile, root, tuned_folder=configs / "tuned")):
+        Path(d).rename(d + ".old")  # what the error tells the user to do
+    assert sweep.run_sweep("carry", root, tuned_folder=configs / "tuned")["done"] == 2
+    assert sorted((c.algorithm, c.lr_x) for c in started) == [("dp-sgd-la", 7.5)] * 2

@@ -13,7 +13,7 @@ import pytest
 
 from dpdro.common.config import Config, ConfigError
 from dpdro.simulations import tune
-from dpdro.simulations.objective import objective_terms, pack_terms, validation_objective
+from dpdro.simulations.objective import choose_by_objective, objective_terms, pack_terms, validation_objective
 
 DS, EPS = "mnist-st", 4.0
 
@@ -85,6 +85,23 @@ def test_validation_objective_breaks_ties_by_the_two_lowest_classes_then_accurac
         objective_terms([float("nan")], 0.5)
     with pytest.raises(ValueError, match="accuracy: got 1.5"):
         objective_terms([0.5], 1.5)
+
+
+def test_choose_by_objective_takes_the_best_score_above_the_accuracy_floor():
+    rows = [{"accuracy": 0.97, "per_class_accuracy": [0.6, 0.9]},   # 0: worst 0.6
+            {"accuracy": 0.95, "per_class_accuracy": [0.88, 0.90]},  # 1: worst 0.88, two lowest 0.89
+            {"accuracy": 0.96, "per_class_accuracy": [0.88, 0.92]},  # 2: worst 0.88, two lowest 0.90 -> best
+            {"accuracy": 0.85, "per_class_accuracy": [0.95, 0.95]}]  # 3: best worst, below the floor
+    assert choose_by_objective(rows, 0.88) == 2
+    assert choose_by_objective(rows) == 3
+    assert choose_by_objective(rows, 0.99) is None
+    assert choose_by_objective(rows[1:3] + rows[1:3], 0.0) == 1  # the first of equal scores
+    # groups count instead of the classes where they are given (CelebA), as in tuning
+    grouped = [{"accuracy": 0.9, "per_class_accuracy": [0.9, 0.9], "per_group_accuracy": [0.2, 0.9]},
+               {"accuracy": 0.9, "per_class_accuracy": [0.5, 0.9], "per_group_accuracy": [0.6, 0.9]}]
+    assert choose_by_objective(grouped) == 1
+    with pytest.raises(ValueError, match=r"min-accuracy: got 1.5; allowed: \[0, 1\]"):
+        choose_by_objective(rows, 1.5)
 
 
 def test_tpe_search_is_seeded_and_reproducible(tmp_path, fake):

@@ -247,8 +247,9 @@ def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
         return 1
     png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
     write_confusion_png(preds[chosen], rows[chosen], png, args.data)
+    caution = " (this is the test split: choose on validation, never here)" if args.data == "test" else ""
     print(f"chosen: tau {taus[chosen]:g} (worst, then the two lowest, then accuracy; among accuracy >= "
-          f"{args.min_accuracy:g}); its confusion matrix: {png}")
+          f"{args.min_accuracy:g}){caution}; its confusion matrix: {png}")
     return 0
 
 

@@ -172,6 +172,7 @@ def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_sco
                 f"{two_lowest:.4f}") in out
     best = max(range(3), key=lambda i: (round(terms[i][0], 4), round(terms[i][1], 4), round(terms[i][2], 4), -i))
     assert f"chosen: tau {taus[best]:g} " in out and png.read_bytes()[:8] == PNG_MAGIC
+    assert "this is the test split: choose on validation" in out
     # a floor above every tau's accuracy: nothing is chosen, exit status 1
     floor = max(t[2] for t in terms) + 1e-3
     if floor <= 1.0:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from .tune import SPACES
-from .tuned import transferred_from, tuned_config_path
+from .tuned import RECHOSEN_MARK, transferred_from, tuned_config_path
 
 # the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
@@ -194,6 +194,24 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
             "these rows measure the method without its variance-reduced estimator.")
 
 
+def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> str | None:
+    """A sentence naming the methods whose tuned file of ``dataset`` has a posthoc-tau chosen after the search on
+    validation (its first line carries ``RECHOSEN_MARK``), with that tau; None if there is none."""
+    import tomllib
+
+    named = []
+    for method in methods:
+        path = tuned_config_path(dataset, epsilon, method, configs / "tuned")
+        if path.exists() and RECHOSEN_MARK in path.read_text().splitlines()[0]:
+            with open(path, "rb") as f:
+                named.append(f"{method} ({tomllib.load(f).get('posthoc-tau', 0.0):g})")
+    if not named:
+        return None
+    return ("Post-hoc tau chosen after the search, by the search's score over a grid of taus on the validation "
+            "split of the method's confirmation model (post-processing of a released model, no budget; the "
+            f"tuned file's first line gives the command and the figures): {', '.join(named)}.")
+
+
 def carried_sentence(rows: list[dict]) -> str:
     """How many rows come from the previous results CSV rather than a run directory on this machine."""
     carried = sum(r.get("source") == "carried" for r in rows)
@@ -276,8 +294,9 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
                           f"--only-dataset {ds}`).", ""]
             continue
         lines += [_origin_line(ds, profile.tuned_at, configs), ""]
-        plain = no_difference_line(ds, profile.tuned_at, configs, have)
-        lines += [plain, ""] if plain else []
+        for extra in (no_difference_line(ds, profile.tuned_at, configs, have),
+                      rechosen_tau_line(ds, profile.tuned_at, configs, have)):
+            lines += [extra, ""] if extra else []
         header = "| method | " + " | ".join(f"eps {e:g}: accuracy | eps {e:g}: worst" for e in eps_cols) + " |"
         lines += [header, "|---|" + "---|" * (2 * len(eps_cols))]
         for a in have:

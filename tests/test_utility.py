@@ -486,6 +486,17 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     assert tune.transferred_from("mnist-st", 4.0, configs) is None  # searched
     assert tune.transferred_from("fashion-mnist-st", 4.0, configs) is None  # no file
     assert "searched on mnist-st" in _origin_line("mnist-st", 4.0, configs)
+    # a posthoc-tau chosen after the search is named with its value, in the source and in what was transferred
+    from dpdro.simulations.tables import rechosen_tau_line
+    from dpdro.simulations.tuned import RECHOSEN_MARK
+
+    assert rechosen_tau_line("mnist-st", 4.0, configs, ["dp-sgda"]) is None
+    tune.write_toml(configs / "tuned" / "mnist-st-eps4-dp-sgda.toml", {**src, "posthoc-tau": 1.25},
+                    f"# Tuned by a test; {RECHOSEN_MARK} on validation: 1.25.\n")
+    tune.transfer_tuned("fashion-mnist-st", "mnist-st", 4.0, ["dp-sgda"], configs)
+    for ds in ("mnist-st", "fashion-mnist-st"):
+        assert rechosen_tau_line(ds, 4.0, configs, ["dp-sgd", "dp-sgda"]).endswith(": dp-sgda (1.25).")
+    (configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml").unlink()
     assert "**transferred from mnist-st**" in _origin_line("celeba", 4.0, configs)
     with pytest.raises(ValueError, match="no tuned config fashion-mnist-st-eps4"):
         tune.transfer_tuned("celeba", "fashion-mnist-st", 4.0, ["dp-sgda"], configs)

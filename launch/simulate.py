@@ -18,6 +18,7 @@ process only (stopped at exit).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import subprocess
@@ -33,7 +34,11 @@ from ..server.rundir import RunDir, check_out_dir, read_json
 from .flwr_output import run_status, started_run_id
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
 
+log = logging.getLogger(__name__)
+
 CONNECTION = "dpdro-local"
+# Flower's reason for failing a run whose app stopped sending heartbeats to the SuperLink (flwr 1.42).
+HEARTBEAT_LOST = "No heartbeat received"
 STARTUP_TIMEOUT = 60.0
 
 
@@ -192,6 +197,21 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     return read_json(summary_path)
 
 
+def run_completed(run_id: str, status: str, details: str, check=None) -> bool:
+    """Whether a Flower run that ended with ``status`` ('finished:...') and ``details`` completed:
+    'finished:completed', or 'finished:failed' for a lost heartbeat (``HEARTBEAT_LOST``) when ``check()`` returns
+    True. Flower fails a run when the SuperLink misses its app's heartbeats, which a starved CPU causes even after
+    the ServerApp has finished (seen on a 2-core machine running two other jobs); the complete outputs that
+    ``check`` verifies (dpdro: summary.json, written last) show the result stands, and a warning says so."""
+    if status == "finished:completed":
+        return True
+    if status == "finished:failed" and HEARTBEAT_LOST in details and check is not None and check() is True:
+        log.warning("Flower run %s ended with status %r (%s) after its ServerApp finished: its outputs are "
+                    "complete, so the run stands", run_id, status, details)
+        return True
+    return False
+
+
 def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool = False,
             timeout: float = 24 * 3600, keep_superlink: bool = False, check=None,
             flwr_home: Path | None = None) -> None:
@@ -233,7 +253,7 @@ def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool
                 time.sleep(2)
             if log_proc is not None:
                 time.sleep(1.5)  # let the log stream flush its last lines
-            if status != "finished:completed":
+            if not run_completed(run_id, status, details, check):
                 tail = subprocess.run(_flwr("log", run_id, CONNECTION, "--show"), env=cli_env, capture_output=True,
                                       text=True, timeout=60).stdout[-3000:]
                 raise SimulationError(f"Flower run {run_id} ended with status {status!r} {details}\n{tail}")

@@ -521,3 +521,18 @@ def test_flwr_json_output_is_read_alike_by_every_launcher():
     runs = '{"runs": [{"status": "finished:completed", "status-details": ""}]}'
     assert run_status(out(runs)) == ("finished:completed", "")
     assert run_status(out('{"runs": []}', "err")) == ("unknown", '{"runs": []}err')
+
+
+def test_a_run_failed_for_a_lost_heartbeat_stands_only_with_complete_outputs(caplog):
+    """Flower failed a finished run ('No heartbeat received from the task') on a 2-core machine under load after
+    the ServerApp had written its summary; the run stands when the outputs are complete, and only then."""
+    from dpdro.launch.simulate import run_completed
+
+    lost = "No heartbeat received from the task"
+    assert run_completed("1", "finished:completed", "")
+    assert run_completed("1", "finished:failed", lost, check=lambda: True)
+    assert "outputs are complete, so the run stands" in caplog.text
+    assert not run_completed("1", "finished:failed", lost, check=lambda: "wrote no summary.json")
+    assert not run_completed("1", "finished:failed", lost)  # nothing to check: not accepted
+    assert not run_completed("1", "finished:failed", "ServerApp raised ValueError", check=lambda: True)
+    assert not run_completed("1", "finished:stopped", lost, check=lambda: True)

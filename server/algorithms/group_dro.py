@@ -235,6 +235,14 @@ def averaging_weight(beta: float, t: int) -> float:
     return beta / (1.0 - (1.0 - beta) ** (t + 1))
 
 
+def averaged(average: np.ndarray, release: np.ndarray, beta: float, t: int) -> np.ndarray:
+    """The group losses' exponential average after release t: average + beta_t (release - average), beta_t =
+    ``averaging_weight(beta, t)``; exactly ``release`` when beta_t = 1 (t = 0, or beta = 1: no averaging), where
+    the update form would leave rounding of ~1e-16. Shapes (K,) float64."""
+    weight = averaging_weight(beta, t)
+    return release.copy() if weight == 1.0 else average + weight * (release - average)
+
+
 def solve_eta(losses: np.ndarray, pi: np.ndarray, psi, lam: float, eta_scale: float, cap: float) -> float:
     """The dual variable eta with sum_k pi_k min(psi*'((l_k - G eta) / lambda), cap) = 1, by bisection (the sum is
     non-increasing in eta and exceeds 1 for eta low enough when cap > 1; ALGORITHMS.md 3.3).
@@ -305,7 +313,7 @@ class GroupDoubleSpider(GroupDro):
     def absorb_losses(self, state, released):
         s = dataclasses.replace(state)
         s.m = released["group-refresh"] if "group-refresh" in released else state.m + released["group-diff"]
-        s.m_avg = state.m_avg + averaging_weight(self.cfg.beta, state.t) * (s.m - state.m_avg)
+        s.m_avg = averaged(state.m_avg, s.m, self.cfg.beta, state.t)
         return s
 
     def weights(self, state, losses):

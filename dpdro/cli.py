@@ -204,14 +204,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from dpdro.server.prediction import data_label, metrics, predict, write_confusion_png
+    from dpdro.server.prediction import metrics, predict, write_confusion_png
 
     taus = args.posthoc_tau or []
     if len(taus) > 1:
         return _evaluate_posthoc_taus(args, taus)
     p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=taus[0] if taus else None)
     m = metrics(p)
-    png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+    png = _confusion_path(args)
     write_confusion_png(p, m, png, args.data)
     classes = p.spec.classes
     tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if taus else ""
@@ -224,12 +224,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confusion_path(args: argparse.Namespace) -> Path:
+    """Where ``dpdro evaluate`` writes its confusion matrix: --out, else RUN_DIR/plots/confusion_<data>.png."""
+    from dpdro.server.prediction import data_label
+
+    return Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+
+
 def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
     """``dpdro evaluate --posthoc-tau T1 T2 ...``: one line per tau (the model runs once) and the tau the tuning
     score chooses among those with accuracy >= --min-accuracy (``simulations.objective.choose_by_objective``);
     the confusion matrix of the chosen one. Post-processing: no budget spent."""
-    from dpdro.server.prediction import data_label, metrics, predict_posthoc_taus, write_confusion_png
-    from dpdro.simulations.objective import choose_by_objective, objective_terms
+    from dpdro.server.prediction import metrics, predict_posthoc_taus, write_confusion_png
+    from dpdro.simulations.objective import choose_by_objective, evaluation_terms
 
     if not 0.0 <= args.min_accuracy <= 1.0:
         raise ConfigError(f"--min-accuracy: got {args.min_accuracy}; allowed: [0, 1]")
@@ -237,15 +244,14 @@ def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
     rows = [metrics(p) for p in preds]
     print(f"data {args.data}: {rows[0]['records']} records; post-hoc tau on the run's released priors (no budget)")
     for tau, m in zip(taus, rows, strict=True):
-        units = m["per_group_accuracy"] if "per_group_accuracy" in m else m["per_class_accuracy"]
-        worst, two_lowest, _ = objective_terms(units, m["accuracy"])
+        worst, two_lowest, _ = evaluation_terms(m, "accuracy")
         print(f"  tau {tau:g}: accuracy {m['accuracy']:.4f}, worst-{'group' if 'per_group_accuracy' in m else 'class'}"
               f" accuracy {worst:.4f}, two lowest {two_lowest:.4f}")
     chosen = choose_by_objective(rows, args.min_accuracy)
     if chosen is None:
         print(f"chosen: none (no tau reaches accuracy {args.min_accuracy:g})")
         return 1
-    png = Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+    png = _confusion_path(args)
     write_confusion_png(preds[chosen], rows[chosen], png, args.data)
     caution = " (this is the test split: choose on validation, never here)" if args.data == "test" else ""
     print(f"chosen: tau {taus[chosen]:g} (worst, then the two lowest, then accuracy; among accuracy >= "

@@ -60,12 +60,13 @@ def validation_objective(per_unit_accuracy: Sequence[float], accuracy: float) ->
     return pack_terms(objective_terms(per_unit_accuracy, accuracy))
 
 
-def evaluation_terms(row: Mapping) -> tuple[float, float, float]:
+def evaluation_terms(row: Mapping, accuracy_key: str = "test_accuracy") -> tuple[float, float, float]:
     """``objective_terms`` of a metrics row or a summary.json (the engine names the evaluated split's figures
-    test_accuracy / per_class_accuracy / per_group_accuracy whichever split it evaluates): over the groups when
+    test_accuracy / per_class_accuracy / per_group_accuracy whichever split it evaluates; a
+    ``server.prediction.metrics`` dict names its accuracy 'accuracy', ``accuracy_key``): over the groups when
     the row has per_group_accuracy, else over the classes. Raises KeyError for a row without them."""
     units = row["per_group_accuracy"] if row.get("per_group_accuracy") is not None else row["per_class_accuracy"]
-    return objective_terms(units, row["test_accuracy"])
+    return objective_terms(units, row[accuracy_key])
 
 
 def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.0) -> int | None:
@@ -82,8 +83,7 @@ def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.
     for i, m in enumerate(evaluations):
         if m["accuracy"] < min_accuracy:
             continue
-        units = m["per_group_accuracy"] if m.get("per_group_accuracy") is not None else m["per_class_accuracy"]
-        score = validation_objective(units, m["accuracy"])
+        score = pack_terms(evaluation_terms(m, "accuracy"))
         if score > best_score:
             best, best_score = i, score
     return best

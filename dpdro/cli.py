@@ -209,9 +209,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     taus = args.posthoc_tau or []
     if len(taus) > 1:
         return _evaluate_posthoc_taus(args, taus)
-    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=taus[0] if taus else None)
+    if len(args.run) > 1:
+        raise ConfigError(f"--run: got {len(args.run)} run directories; allowed: one, or several with several "
+                          "--posthoc-tau values (to choose one tau for them all)")
+    run = args.run[0]
+    p = predict(run, args.data, parse_set_args(args.set or []), posthoc_tau=taus[0] if taus else None)
     m = metrics(p)
-    png = _confusion_path(args)
+    png = _confusion_path(args, run)
     write_confusion_png(p, m, png, args.data)
     classes = p.spec.classes
     tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if taus else ""
@@ -224,38 +228,47 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _confusion_path(args: argparse.Namespace) -> Path:
-    """Where ``dpdro evaluate`` writes its confusion matrix: --out, else RUN_DIR/plots/confusion_<data>.png."""
+def _confusion_path(args: argparse.Namespace, run: str) -> Path:
+    """Where ``dpdro evaluate`` writes the confusion matrix of ``run``: --out, else RUN/plots/confusion_<data>.png."""
     from dpdro.server.prediction import data_label
 
-    return Path(args.out) if args.out else Path(args.run) / "plots" / f"confusion_{data_label(args.data)}.png"
+    return Path(args.out) if args.out else Path(run) / "plots" / f"confusion_{data_label(args.data)}.png"
 
 
 def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
-    """``dpdro evaluate --posthoc-tau T1 T2 ...``: one line per tau (the model runs once) and the tau the tuning
-    score chooses among those with accuracy >= --min-accuracy (``simulations.objective.choose_by_objective``);
-    the confusion matrix of the chosen one. Post-processing: no budget spent."""
+    """``dpdro evaluate --posthoc-tau T1 T2 ... [--run R1 R2 ...]``: one line per tau (each model runs once) and
+    the tau the tuning score chooses among those with accuracy >= --min-accuracy
+    (``simulations.objective.choose_by_terms``); with several runs (e.g. one configuration's seeds) each line is
+    the mean of their terms (``mean_terms``, as ``dpdro tune`` scores a candidate over its seeds) and one tau is
+    chosen for them all. Each run's confusion matrix at the chosen tau. Post-processing: no budget spent."""
     from dpdro.server.prediction import metrics, predict_posthoc_taus, write_confusion_png
-    from dpdro.simulations.objective import choose_by_objective, evaluation_terms
+    from dpdro.simulations.objective import choose_by_terms, evaluation_terms, mean_terms
 
     if not 0.0 <= args.min_accuracy <= 1.0:
         raise ConfigError(f"--min-accuracy: got {args.min_accuracy}; allowed: [0, 1]")
-    preds = predict_posthoc_taus(args.run, args.data, taus, parse_set_args(args.set or []))
-    rows = [metrics(p) for p in preds]
-    print(f"data {args.data}: {rows[0]['records']} records; post-hoc tau on the run's released priors (no budget)")
-    for tau, m in zip(taus, rows, strict=True):
-        worst, two_lowest, _ = evaluation_terms(m, "accuracy")
-        print(f"  tau {tau:g}: accuracy {m['accuracy']:.4f}, worst-{'group' if 'per_group_accuracy' in m else 'class'}"
-              f" accuracy {worst:.4f}, two lowest {two_lowest:.4f}")
-    chosen = choose_by_objective(rows, args.min_accuracy)
+    if args.out and len(args.run) > 1:
+        raise ConfigError(f"--out: got {args.out!r} with {len(args.run)} runs; allowed: only with one --run (each "
+                          "run's confusion matrix goes to its plots/ folder)")
+    overrides = parse_set_args(args.set or [])
+    preds = [predict_posthoc_taus(run, args.data, taus, overrides) for run in args.run]
+    rows = [[metrics(p) for p in run_preds] for run_preds in preds]  # [run][tau]
+    terms = [mean_terms([evaluation_terms(r[i], "accuracy") for r in rows]) for i in range(len(taus))]
+    unit = "group" if "per_group_accuracy" in rows[0][0] else "class"
+    mean = f"mean over {len(args.run)} runs; " if len(args.run) > 1 else ""
+    print(f"data {args.data}: {rows[0][0]['records']} records; {mean}post-hoc tau on the run's released priors "
+          "(no budget)")
+    for tau, (worst, two_lowest, acc) in zip(taus, terms, strict=True):
+        print(f"  tau {tau:g}: accuracy {acc:.4f}, worst-{unit} accuracy {worst:.4f}, two lowest {two_lowest:.4f}")
+    chosen = choose_by_terms(terms, args.min_accuracy)
     if chosen is None:
         print(f"chosen: none (no tau reaches accuracy {args.min_accuracy:g})")
         return 1
-    png = _confusion_path(args)
-    write_confusion_png(preds[chosen], rows[chosen], png, args.data)
+    pngs = [_confusion_path(args, run) for run in args.run]
+    for run_preds, run_rows, png in zip(preds, rows, pngs, strict=True):
+        write_confusion_png(run_preds[chosen], run_rows[chosen], png, args.data)
     caution = " (this is the test split: choose on validation, never here)" if args.data == "test" else ""
     print(f"chosen: tau {taus[chosen]:g} (worst, then the two lowest, then accuracy; among accuracy >= "
-          f"{args.min_accuracy:g}){caution}; its confusion matrix: {png}")
+          f"{args.min_accuracy:g}){caution}; confusion matrix: {', '.join(map(str, pngs))}")
     return 0
 
 
@@ -389,6 +402,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     root, configs = Path(args.root), Path(args.configs)
     if args.probe is not None:
         return _tune_probe(args, root)
+    if args.choose_posthoc_tau:
+        return _tune_posthoc_tau(args, root, configs)
     if args.transfer_from:  # no trial runs: docs/TUNING.md (the trials of searches) is left as it is
         for ds in args.dataset:
             for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
@@ -408,6 +423,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"no search under {root}: {Path(args.docs) / 'TUNING.md'} left as it is")
         return 0
     print(f"report: {tuning_report(entries, args.methods, root, Path(args.docs))}")
+    return 0
+
+
+def _tune_posthoc_tau(args: argparse.Namespace, root: Path, configs: Path) -> int:
+    """dpdro tune --choose-posthoc-tau: each method's tau chosen again on validation, its tuned file rewritten."""
+    from dpdro.simulations.posthoc_tau import TAU_GRID, choose_posthoc_tau
+
+    grid = tuple(args.tau_grid) if args.tau_grid else TAU_GRID
+    for ds in args.dataset:
+        choices = choose_posthoc_tau(ds, args.epsilon, args.methods, root, configs, grid, args.tau_seeds,
+                                     args.jobs, args.min_accuracy)
+        for c in choices.values():
+            was = (f"{c.previous:g} (worst {c.previous_terms[0]:.4f}, two lowest {c.previous_terms[1]:.4f}, "
+                   f"accuracy {c.previous_terms[2]:.4f})")
+            if c.chosen is None:
+                print(f"{ds} eps {args.epsilon:g} {c.method}: no tau reaches accuracy {args.min_accuracy:g}; "
+                      f"{c.path} keeps {was}")
+            else:
+                print(f"{ds} eps {args.epsilon:g} {c.method}: posthoc-tau {c.chosen:g} (validation worst "
+                      f"{c.chosen_terms[0]:.4f}, two lowest {c.chosen_terms[1]:.4f}, accuracy "
+                      f"{c.chosen_terms[2]:.4f}) instead of {was} -> {c.path}")
     return 0
 
 
@@ -583,7 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
                            ("evaluate", "accuracy, worst-class (worst-group) accuracy and a confusion-matrix PNG of "
                                         "a finished run's model")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and model.json")
+        if name == "predict":
+            s.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory with model.pt and "
+                           "model.json")
+        else:
+            s.add_argument("--run", required=True, nargs="+", metavar="RUN_DIR",
+                           help="run directory with model.pt and model.json; several (e.g. one configuration's "
+                                "seeds) only with several --posthoc-tau values: each tau's figures are their mean")
         s.add_argument("--data", default="test", help="'test' (the split the run evaluated on), 'train', "
                        "'validation'; records of your own: for a csv run a .csv file (every row, the label column "
                        "optional), for an image-folder run an image, a folder of images (unlabelled) or of class "
@@ -661,6 +703,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run nothing of the search: train one hand-set point of one --methods with a trial's "
                         "protocol (validation split, trial length, the method's fixed keys), outside the budget "
                         "(not recorded, chooses nothing; a diagnostic); --seed is the run's seed here")
+    s.add_argument("--choose-posthoc-tau", action="store_true",
+                   help="run nothing of the search: choose each --methods' post-hoc tau again on the data set's "
+                        "validation split (models of its tuned file, trained with the search's validation split, "
+                        "evaluated over --tau-grid; the search's score) and rewrite the tuned file "
+                        "(simulations/posthoc_tau.py); e.g. after --transfer-from")
+    s.add_argument("--tau-grid", type=float, nargs="+", metavar="TAU", default=None,
+                   help="with --choose-posthoc-tau: the taus (default 0, 0.1, ..., 1, 1.25, 1.5, 2)")
+    s.add_argument("--tau-seeds", type=int, default=1, metavar="N",
+                   help="with --choose-posthoc-tau: validation models per method, seeds 1..N (default 1)")
+    s.add_argument("--min-accuracy", type=float, default=0.0, metavar="A",
+                   help="with --choose-posthoc-tau: choose only among taus with mean validation accuracy >= A")
     s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="privacy audits: white-box canaries per release (--mode canary) or membership "
                                      "inference (--mode mia: loss threshold, LiRA); writes docs/AUDIT.md")

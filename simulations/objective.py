@@ -77,13 +77,29 @@ def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.
     evaluations: ``server.prediction.metrics`` dicts (keys accuracy, per_class_accuracy, optionally
     per_group_accuracy: the groups count instead of the classes, as in tuning). min_accuracy in [0, 1], else
     ValueError."""
+    return choose_by_terms([evaluation_terms(m, "accuracy") for m in evaluations], min_accuracy)
+
+
+def mean_terms(terms: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """The term-wise mean of several evaluations' (worst, two-lowest mean, accuracy), e.g. of one configuration's
+    seeds: the mean of the worst-class accuracies, as ``dpdro tune`` scores a candidate over its confirmation
+    seeds (not the worst class of the mean accuracies). Raises ValueError for an empty sequence."""
+    if not terms:
+        raise ValueError("evaluations: got none; allowed: at least one (worst, two lowest, accuracy)")
+    return tuple(sum(col) / len(terms) for col in zip(*terms, strict=True))  # type: ignore[return-value]
+
+
+def choose_by_terms(terms: Sequence[Sequence[float]], min_accuracy: float = 0.0) -> int | None:
+    """Index of the (worst, two-lowest mean, accuracy) triple with the highest ``pack_terms`` score among those
+    whose accuracy is at least ``min_accuracy`` (the first of equal scores), or None when none is.
+    min_accuracy in [0, 1], else ValueError."""
     if not 0.0 <= min_accuracy <= 1.0:
         raise ValueError(f"min-accuracy: got {min_accuracy}; allowed: [0, 1]")
     best, best_score = None, -1.0
-    for i, m in enumerate(evaluations):
-        if m["accuracy"] < min_accuracy:
+    for i, t in enumerate(terms):
+        if t[2] < min_accuracy:
             continue
-        score = pack_terms(evaluation_terms(m, "accuracy"))
+        score = pack_terms(t)
         if score > best_score:
             best, best_score = i, score
     return best

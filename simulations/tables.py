@@ -194,22 +194,28 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
             "these rows measure the method without its variance-reduced estimator.")
 
 
+def _leading_comments(path: Path) -> list[str]:
+    """The comment lines at the top of a TOML file."""
+    lines = path.read_text().splitlines()
+    return lines[:next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))]
+
+
 def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> str | None:
     """A sentence naming the methods whose tuned file of ``dataset`` has a posthoc-tau chosen after the search on
-    validation (its first line carries ``RECHOSEN_MARK``), with that tau; None if there is none."""
+    validation (a comment line at its top carries ``RECHOSEN_MARK``), with that tau; None if there is none."""
     import tomllib
 
     named = []
     for method in methods:
         path = tuned_config_path(dataset, epsilon, method, configs / "tuned")
-        if path.exists() and RECHOSEN_MARK in path.read_text().splitlines()[0]:
+        if path.exists() and any(RECHOSEN_MARK in line for line in _leading_comments(path)):
             with open(path, "rb") as f:
                 named.append(f"{method} ({tomllib.load(f).get('posthoc-tau', 0.0):g})")
     if not named:
         return None
-    return ("Post-hoc tau chosen after the search, by the search's score over a grid of taus on the validation "
-            "split of the method's confirmation model (post-processing of a released model, no budget; the "
-            f"tuned file's first line gives the command and the figures): {', '.join(named)}.")
+    return ("Post-hoc tau chosen after the search (or the transfer), by the search's score over a grid of taus on "
+            "a validation split of this data set (post-processing of a released model, no budget; the tuned file's "
+            f"first line gives the model, the command and the figures): {', '.join(named)}.")
 
 
 def carried_sentence(rows: list[dict]) -> str:

@@ -71,7 +71,7 @@ from pathlib import Path
 from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, SearchDimension
 from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
-from .objective import evaluation_terms, pack_terms
+from .objective import evaluation_terms, mean_terms, pack_terms
 from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -511,16 +511,17 @@ def confirm_configs(dataset: str, epsilon: float, method: str, root: Path, study
             for t in top_trials(study, top) for s in range(1, seeds)]
 
 
-def _run_confirmations(configs: list[Config], jobs: int) -> None:
-    """Run the unfinished confirmation runs (a summary.json marks a finished one; a partial one is resumed
-    from its checkpoint or started again, ``rundir.continue_keys``)."""
+def run_unfinished(configs: list[Config], jobs: int) -> None:
+    """Run the unfinished runs of ``configs`` (confirmation runs, the validation models of
+    ``posthoc_tau``), ``jobs`` at a time: a summary.json marks a finished one; a partial one is resumed from its
+    checkpoint or started again (``rundir.continue_keys``)."""
     from ..server.rundir import continue_keys
 
     plans = [c.with_updates(continue_keys(c.out_dir)) for c in configs
              if not (Path(c.out_dir) / "summary.json").exists()]
     if not plans:
         return
-    log.info("%d confirmation runs to run", len(plans))
+    log.info("%d runs to run", len(plans))
     if jobs <= 1:
         for c in plans:
             train_trial(c, None)
@@ -543,7 +544,7 @@ def candidates(dataset: str, epsilon: float, method: str, root: Path, study, top
             path = confirm_dir(root, dataset, epsilon, method, t.number, s) / "summary.json"
             if path.exists():
                 runs.append(evaluation_terms(read_json(path)))
-        means = [sum(col) / len(runs) for col in zip(*runs, strict=True)]
+        means = mean_terms(runs)
         out.append({"trial": t.number, "keys": point_keys(method, t.params), "seeds": len(runs), **_terms_attrs(means),
                     "score": pack_terms(means), "out_dir": t.user_attrs["out_dir"]})
     return out
@@ -605,7 +606,7 @@ def run_tune(dataset: str, epsilon: float, methods: list[str], trials: int, root
         run_searches(dataset, epsilon, methods, trials, root, seed, jobs, shipped)
         plans = [c for m in methods for c in confirm_configs(dataset, epsilon, m, root, open_study(
             root, dataset, epsilon, m), confirm_top, confirm_seeds)]
-        _run_confirmations(plans, jobs)
+        run_unfinished(plans, jobs)
     return write_tuned(dataset, epsilon, methods, root, configs)
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
 TRANSFER_MARK = "# Transferred"  # first line of a file written by ``tune.transfer_tuned``
-# In the first line of a tuned file whose posthoc-tau was chosen after the search, on the validation split of the
-# method's confirmation model by the search's score (``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files
-# quote the source's first line, so the mark travels with the key.
+# In a comment line at the top of a tuned file whose posthoc-tau was chosen after the search (or the transfer) on
+# a validation split by the search's score (``dpdro tune --choose-posthoc-tau``, simulations/posthoc_tau.py; by hand
+# before it: ``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files quote the source's first line, so the
+# mark travels with the key.
 RECHOSEN_MARK = "posthoc-tau then re-chosen"
 
 

@@ -183,6 +183,41 @@ def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_sco
     assert "--min-accuracy: got 2.0; allowed: [0, 1]" in capsys.readouterr().err
 
 
+def test_evaluate_posthoc_taus_over_several_runs_prints_the_mean_terms_and_chooses_one_tau(finished, tmp_path,
+                                                                                         capsys):
+    """--run R1 R2 --posthoc-tau ...: each tau's line is the term-wise mean of the runs' single evaluations (the
+    mean of the worst classes, as tune scores seeds) and one tau is chosen on those means; several runs refuse
+    --out and a single tau."""
+    import shutil
+
+    from dpdro.server.prediction import metrics, predict
+    from dpdro.simulations.objective import choose_by_terms, mean_terms, objective_terms
+
+    run, _ = finished
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    meta = json.loads((other / "model.json").read_text())
+    meta["priors"] = [0.6, 0.3, 0.1]  # another model's released priors: the same logits, other adjustments
+    (other / "model.json").write_text(json.dumps(meta))
+    taus = [0.0, 1.0, 3.0]
+    per_run = [[objective_terms(m["per_class_accuracy"], m["accuracy"])
+                for m in (metrics(predict(r, "test", posthoc_tau=t)) for t in taus)] for r in (run, other)]
+    assert per_run[0][1] != per_run[1][1] or per_run[0][2] != per_run[1][2]  # the copy is a different model
+    means = [mean_terms([per_run[0][i], per_run[1][i]]) for i in range(3)]
+    capsys.readouterr()
+    assert main(["evaluate", "--run", str(run), str(other), "--posthoc-tau", "0", "1", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "mean over 2 runs" in out
+    for tau, (worst, two_lowest, acc) in zip(taus, means, strict=True):
+        assert f"tau {tau:g}: accuracy {acc:.4f}, worst-class accuracy {worst:.4f}, two lowest {two_lowest:.4f}" in out
+    assert f"chosen: tau {taus[choose_by_terms(means)]:g} " in out
+    assert (other / "plots" / "confusion_test.png").read_bytes()[:8] == PNG_MAGIC
+    assert main(["evaluate", "--run", str(run), str(other), "--posthoc-tau", "0", "1", "--out", "x.png"]) == 2
+    assert "--out: got 'x.png' with 2 runs" in capsys.readouterr().err
+    assert main(["evaluate", "--run", str(run), str(other), "--posthoc-tau", "1"]) == 2
+    assert "--run: got 2 run directories" in capsys.readouterr().err
+
+
 def test_model_pt_loads_into_a_fresh_model_built_from_model_json(finished):
     run, _ = finished
     meta = json.load(open(run / "model.json"))
@@ -356,3 +391,59 @@ def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(t
     # the command line says how to evaluate such a run instead of loading mnist-st
     assert main(["evaluate", "--run", str(run)]) == 2
     assert "trained on records passed to dpdro.fit(data=...) from Python" in capsys.readouterr().err
+
+
+def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file(overlap, tmp_path, capsys):
+    """dpdro tune --choose-posthoc-tau: the tuned file's tau becomes the one the search's score chooses from the
+    validation models' mean terms over the grid, the other keys stay, a comment line says how; a file that
+    releases no priors is skipped; a second call trains nothing and replaces its line instead of adding one."""
+    import tomllib
+
+    from dpdro.simulations.objective import choose_by_terms
+    from dpdro.simulations.posthoc_tau import choose_posthoc_tau, scan
+    from dpdro.simulations.tuned import RECHOSEN_MARK, tuned_config_path
+
+    configs = tmp_path / "configs"
+    (configs / "tuned").mkdir(parents=True)
+    keys = {**{k: v for k, v in KEYS.items() if k not in ("seed", "eval-every")}, "diff-batch": 60}
+    path = tuned_config_path("overlap-3", 4.0, "dp-sgd", configs / "tuned")
+    path.write_text("# Transferred by a test. Nothing of this data set chose these keys.\n"
+                    + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
+    no_priors = tuned_config_path("overlap-3", 4.0, "dp-sgd-dual", configs / "tuned")
+    no_priors.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {**keys, "algorithm": "dp-sgd-dual",
+                                                                        "posthoc-tau": 0.0}.items()))
+    before_no_priors = no_priors.read_text()
+    grid = (0.0, 0.5, 3.0)
+    choices = choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd", "dp-sgd-dual", "dp-sgda"], tmp_path / "root",
+                                 configs, grid, seeds=2, jobs=1)
+    assert set(choices) == {"dp-sgd"} and no_priors.read_text() == before_no_priors
+    c = choices["dp-sgd"]
+    assert [m.name[-6:] for m in c.models] == ["-seed1", "-seed2"]
+    for m in c.models:
+        s = json.loads((m / "summary.json").read_text())
+        assert s["eval_split"] == "validation" and s["n"] == 480  # 600 training records minus 20% validation
+    taus = [0.0, 0.5, 1.0, 3.0]  # the grid and the file's own tau
+    terms = scan(list(c.models), taus)
+    assert c.chosen == taus[choose_by_terms(terms)] and c.chosen_terms == terms[taus.index(c.chosen)]
+    assert c.previous == 1.0 and c.previous_terms == terms[2]
+    written = tomllib.loads(path.read_text())
+    assert written == {**keys, "posthoc-tau": c.chosen}
+    lines = path.read_text().splitlines()
+    assert lines[0] == "# Transferred by a test. Nothing of this data set chose these keys but posthoc-tau (below)."
+    assert lines[1].startswith(f"# {RECHOSEN_MARK} on overlap-3's validation split by `dpdro tune")
+    assert f": {c.chosen:g} (validation worst {c.chosen_terms[0]:.3f}" in lines[1] and "0, 0.5, 3:" in lines[1]
+    # again, with an accuracy floor no tau reaches: nothing trains, the file stays as it is
+    stamps = [(m / "summary.json").stat().st_mtime_ns for m in c.models]
+    text = path.read_text()
+    again = choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=2, jobs=1,
+                               min_accuracy=1.0)
+    assert again["dp-sgd"].chosen is None and path.read_text() == text
+    assert [(m / "summary.json").stat().st_mtime_ns for m in c.models] == stamps
+    # and once more without the floor: one line of this step, not two (a changed tau trains nothing either)
+    choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=2, jobs=1)
+    assert sum(RECHOSEN_MARK in line for line in path.read_text().splitlines()) == 1
+    assert [(m / "summary.json").stat().st_mtime_ns for m in c.models] == stamps
+    with pytest.raises(ValueError, match="--tau-seeds: got 0"):
+        choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=0)
+    with pytest.raises(ValueError, match="--tau-grid: got"):
+        choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, (-1.0,))

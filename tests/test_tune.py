@@ -104,6 +104,20 @@ def test_choose_by_objective_takes_the_best_score_above_the_accuracy_floor():
         choose_by_objective(rows, 1.5)
 
 
+def test_mean_terms_averages_each_term_and_choose_by_terms_honours_the_floor():
+    from dpdro.simulations.objective import choose_by_terms, mean_terms
+
+    assert mean_terms([(0.5, 0.6, 0.9), (0.25, 0.4, 0.8)]) == pytest.approx((0.375, 0.5, 0.85))
+    terms = [(0.5, 0.6, 0.80), (0.4, 0.7, 0.90), (0.5, 0.6, 0.85)]
+    assert choose_by_terms(terms) == 2  # same worst and two-lowest: the higher accuracy
+    assert choose_by_terms(terms, 0.86) == 1
+    assert choose_by_terms(terms, 0.95) is None
+    with pytest.raises(ValueError, match="evaluations: got none"):
+        mean_terms([])
+    with pytest.raises(ValueError, match="min-accuracy: got -0.1"):
+        choose_by_terms(terms, -0.1)
+
+
 def test_tpe_search_is_seeded_and_reproducible(tmp_path, fake):
     trials = tune.TPE_STARTUP_TRIALS + 3  # past the random start: TPE's own proposals are compared too
     for root, seed, n in ((tmp_path / "a", 0, trials), (tmp_path / "b", 0, trials), (tmp_path / "c", 1, 2)):

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # 0.1 steps where the choices fell so far (0.3 .. 1.25 on MNIST-ST and Fashion-MNIST-ST), coarser above 1
 TAU_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
 DEFAULT_VALIDATION_FRACTION = 0.2  # the search's (tune.PER_DATASET) for a data set without its own validation split
+_OURS = "validation split by `dpdro tune"  # in the comment line this step writes (after RECHOSEN_MARK)
 _NOTHING_CHOSEN = "Nothing of this data set chose these keys."  # line 2 of a transferred file (tune.transfer_tuned)
 
 
@@ -142,7 +143,8 @@ def choose_posthoc_tau(dataset: str, epsilon: float, methods: list[str], root: P
         best = choose_by_terms(terms, min_accuracy)
         choice = TauChoice(method, previous, terms[taus.index(previous)], None if best is None else taus[best],
                            None if best is None else terms[best], models, path)
-        if best is not None:
+        # a second call that keeps the tau leaves the file (and its line with the first call's figures) alone
+        if best is not None and (choice.chosen != previous or _OURS not in path.read_text()):
             rewrite(path, choice, dataset, epsilon, grid, min_accuracy)
         choices[method] = choice
     return choices
@@ -160,14 +162,17 @@ def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, m
     text = path.read_text()
     keys = tomllib.loads(text)
     keys["posthoc-tau"] = choice.chosen
-    ours = f"# {RECHOSEN_MARK} on {dataset}'s validation split by `dpdro tune"
+    ours = f"# {RECHOSEN_MARK} on {dataset}'s {_OURS}"
     header = [line.replace(_NOTHING_CHOSEN, "Nothing of this data set chose these keys but posthoc-tau (below).")
               for line in text.splitlines() if line.startswith("#") and not line.startswith(ours)]
     floor = f", among accuracy >= {min_accuracy:g}" if min_accuracy > 0 else ""
+    fraction = validation_fraction(dataset)
+    split = (f"trained with validation-fraction {fraction:g}" if fraction > 0 else
+             "trained on the whole training split (the data set has its own validation split)")
     header.append(
         f"{ours} --dataset {dataset} --epsilon {epsilon:g} --choose-posthoc-tau`: the search's score (worst, then "
-        f"the two lowest, then accuracy{floor}), mean over {len(choice.models)} model(s) of this file trained with "
-        f"validation-fraction {validation_fraction(dataset):g} (seeds 1..{len(choice.models)}), over the taus "
+        f"the two lowest, then accuracy{floor}), mean over {len(choice.models)} model(s) of this file {split} "
+        f"(seeds 1..{len(choice.models)}), over the taus "
         f"{', '.join(f'{t:g}' for t in grid)}: {choice.chosen:g} ({_fmt_terms(choice.chosen_terms)}) instead of "
         f"{choice.previous:g} ({_fmt_terms(choice.previous_terms)}).")
     write_toml(path, keys, "\n".join(header))

@@ -439,9 +439,16 @@ def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file
                                min_accuracy=1.0)
     assert again["dp-sgd"].chosen is None and path.read_text() == text
     assert [(m / "summary.json").stat().st_mtime_ns for m in c.models] == stamps
-    # and once more without the floor: one line of this step, not two (a changed tau trains nothing either)
+    # once more without the floor: the same tau, so the file keeps the first call's line (its previous tau)
+    choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=2, jobs=1)
+    assert path.read_text() == text
+    # a file whose tau was changed by hand: chosen again, one line of this step (replaced, not added)
+    path.write_text(text.replace(f"posthoc-tau = {c.chosen}", "posthoc-tau = 0.25"))
     choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=2, jobs=1)
     assert sum(RECHOSEN_MARK in line for line in path.read_text().splitlines()) == 1
+    taus = [0.0, 0.25, 0.5, 3.0]  # the grid and the file's tau now
+    assert "instead of 0.25 (" in path.read_text()
+    assert tomllib.loads(path.read_text())["posthoc-tau"] == taus[choose_by_terms(scan(list(c.models), taus))]
     assert [(m / "summary.json").stat().st_mtime_ns for m in c.models] == stamps
     with pytest.raises(ValueError, match="--tau-seeds: got 0"):
         choose_posthoc_tau("overlap-3", 4.0, ["dp-sgd"], tmp_path / "root", configs, grid, seeds=0)

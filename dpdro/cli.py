@@ -51,16 +51,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
 PIPED_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 
 
-def _eval_line(row: dict) -> str:
-    return (f"iteration {row['iteration']:>6}  epsilon {row['epsilon_spent']:.4f}  test accuracy "
+def _eval_line(row: dict, split: str = "test") -> str:
+    """One evaluation as a line; ``split`` names the split evaluated (config eval-split: the row's figures are
+    called test_* whichever it is)."""
+    return (f"iteration {row['iteration']:>6}  epsilon {row['epsilon_spent']:.4f}  {split} accuracy "
             f"{row['test_accuracy']:.4f}  worst-class accuracy {row['worst_class_accuracy']:.4f}")
 
 
-def _progress_display(total: int, stop_requested=lambda: False):
+def _progress_display(total: int, stop_requested=lambda: False, split: str = "test"):
     """(close, Progress) of ``dpdro train``: on a terminal (stderr) a tqdm bar that starts at a resumed run's
     iteration, with the header, evaluation lines and notes above it; otherwise (piped, a log file) plain lines
-    only, never carriage returns: the notes, one line per evaluation, and a progress line at most every
-    PIPED_EVERY seconds."""
+    only, never carriage returns: the notes, one line per evaluation (naming ``split``, the split evaluated), and
+    a progress line at most every PIPED_EVERY seconds."""
     import time
 
     from dpdro.server.engine import Progress
@@ -79,8 +81,8 @@ def _progress_display(total: int, stop_requested=lambda: False):
         def on_start(t: int) -> None:  # data loading and setup are not training: the interval starts here
             last[0] = time.monotonic()
 
-        progress = Progress(on_start=on_start, on_step=on_step, on_eval=lambda row: say(_eval_line(row)), on_note=say,
-                            stop_requested=stop_requested)
+        progress = Progress(on_start=on_start, on_step=on_step, on_eval=lambda row: say(_eval_line(row, split)),
+                            on_note=say, stop_requested=stop_requested)
         return (lambda: None), progress
 
     from tqdm import tqdm
@@ -100,7 +102,7 @@ def _progress_display(total: int, stop_requested=lambda: False):
         shown = "inf" if eps == math.inf else f"{eps:.3f}"  # the last evaluation's, not the live spend
         bar.set_postfix_str(f"at iteration {row['iteration']}: eps={shown} acc={row['test_accuracy']:.4f} "
                             f"worst={row['worst_class_accuracy']:.4f}")
-        bar.write(_eval_line(row))
+        bar.write(_eval_line(row, split))
 
     return bar.close, Progress(on_start=on_start, on_step=on_step, on_eval=on_eval, on_note=bar.write,
                                stop_requested=stop_requested)
@@ -176,7 +178,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with _CtrlC() as ctrl_c:
         try:
             transport, test_set = prepare_local(cfg, resume=bool(args.resume))  # out-dir, device, then the data
-            close, progress = _progress_display(cfg.iterations, lambda: ctrl_c.requested)
+            close, progress = _progress_display(cfg.iterations, lambda: ctrl_c.requested, cfg.eval_split)
             try:
                 result = train(cfg, transport, test_set, resume=bool(args.resume), progress=progress)
             finally:
@@ -325,7 +327,8 @@ def _print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
     eps = s["epsilon_spent"]
     private = "" if s["private"] else "  (NOT PRIVATE: epsilon=inf)"
     loop = f"training loop {s['wall_seconds']:.1f} s" + (" over all sessions" if resumed else "")
-    print(f"done: {s['algorithm']} on {s['dataset']}: test accuracy {s['test_accuracy']:.4f}, worst-class "
+    split = s.get("eval_split", "test")
+    print(f"done: {s['algorithm']} on {s['dataset']}: {split} accuracy {s['test_accuracy']:.4f}, worst-class "
           f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _STARTED:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")

@@ -130,7 +130,7 @@ def test_ctrl_c_stops_with_one_line_and_resume_says_where_it_restarts(tmp_path, 
     assert re.search(r"^n=600 delta=0\.000167 noise multipliers \{'eta-refresh': ", out, re.M), out
 
     real = cli._progress_display
-    monkeypatch.setattr(cli, "_progress_display", lambda total, stop: real(total, lambda: True))
+    monkeypatch.setattr(cli, "_progress_display", lambda total, stop, split: real(total, lambda: True, split))
     assert cli.main(["train", "--resume", str(run)]) == 130
     got = capsys.readouterr()
     assert f"resuming {run} at iteration {stopped} of 400 (epsilon spent so far " in got.out
@@ -189,6 +189,11 @@ def test_piped_progress_writes_lines_without_carriage_returns(capsys):
                                     "iteration      3  epsilon 0.5000  test accuracy 0.2500  worst-class accuracy "
                                     "0.1250"]
     assert got.err.splitlines() == ["training: iteration 3 of 3"]
+    # a run evaluated on its validation split says so
+    close, progress = _progress_display(3, split="validation")
+    progress.on_eval({"iteration": 3, "epsilon_spent": 0.5, "test_accuracy": 0.25, "worst_class_accuracy": 0.125})
+    close()
+    assert "epsilon 0.5000  validation accuracy 0.2500  worst-class" in capsys.readouterr().out
 
 
 def test_stopped_message_without_checkpoint_says_start_again(tmp_path):

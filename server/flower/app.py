@@ -15,10 +15,10 @@ from ...common.config import Config
 app = ServerApp()
 
 
-def _print_eval(row: dict) -> None:
+def _print_eval(row: dict, split: str = "test") -> None:
     eps = row["epsilon_spent"]
     eps_text = "inf (not private)" if eps == math.inf else f"{eps:.4f}"
-    print(f"[dpdro] iteration {row['iteration']:>6}  epsilon {eps_text}  test accuracy {row['test_accuracy']:.4f}  "
+    print(f"[dpdro] iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
           f"worst-class accuracy {row['worst_class_accuracy']:.4f}  ({row['wall_seconds']:.0f} s)", flush=True)
 
 
@@ -43,9 +43,9 @@ def main(grid: Grid, context: Context) -> None:
     transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,
                                 secure=cfg.noise_mode == "distributed", num_shares=cfg.secagg_num_shares,
                                 threshold=cfg.secagg_threshold)
-    result = train(cfg, transport, test, resume=cfg.resume, progress=Progress(on_eval=_print_eval),
-                   transport_name="flower")
+    progress = Progress(on_eval=lambda row: _print_eval(row, cfg.eval_split))
+    result = train(cfg, transport, test, resume=cfg.resume, progress=progress, transport_name="flower")
     s = result.summary
-    print(f"[dpdro] done: test accuracy {s['test_accuracy']:.4f}, worst-class accuracy "
+    print(f"[dpdro] done: {cfg.eval_split} accuracy {s['test_accuracy']:.4f}, worst-class accuracy "
           f"{s['worst_class_accuracy']:.4f}, epsilon {s['epsilon_spent']:.4f}, {s['wall_seconds']:.1f} s; "
           f"run directory {cfg.out_dir}", flush=True)

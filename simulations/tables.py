@@ -169,10 +169,15 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
     """Where the data set's hyper-parameters came from (tune.transferred_from), as a sentence."""
     source = transferred_from(dataset, epsilon, configs)
     if source:
+        own = f"{RECHOSEN_MARK} on {dataset}'s"
+        files = (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
+        chose = ("only its validation split chose a key: the post-hoc tau of the methods named below (`dpdro tune "
+                 "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
+                 if any(own in line for f in files for line in _leading_comments(f))
+                 else "so none of its data chose anything")
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
-                f"so none of its data chose anything (equal tuning effort: every method's keys come from the same "
-                f"search).")
+                f"{chose} (equal tuning effort: every method's keys come from the same search).")
     return f"Hyper-parameters: searched on {dataset} (docs/TUNING.md)."
 
 

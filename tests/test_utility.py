@@ -498,8 +498,11 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
         assert rechosen_tau_line(ds, 4.0, configs, ["dp-sgd", "dp-sgda"]).endswith(": dp-sgda (1.25).")
     # the mark in a later comment line at the top (dpdro tune --choose-posthoc-tau adds one) counts too
     tune.write_toml(configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml", {**src, "posthoc-tau": 0.5},
-                    f"# Transferred by a test.\n# {RECHOSEN_MARK} on fashion-mnist-st's validation split: 0.5.\n")
+                    "# Transferred by `dpdro tune --dataset fashion-mnist-st --epsilon 4 --transfer-from mnist-st`.\n"
+                    f"# {RECHOSEN_MARK} on fashion-mnist-st's validation split: 0.5.\n")
     assert rechosen_tau_line("fashion-mnist-st", 4.0, configs, ["dp-sgda"]).endswith(": dp-sgda (0.5).")
+    assert "only its validation split chose a key" in _origin_line("fashion-mnist-st", 4.0, configs)
+    assert "none of its data chose anything" in _origin_line("celeba", 4.0, configs)
     (configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml").unlink()
     assert "**transferred from mnist-st**" in _origin_line("celeba", 4.0, configs)
     with pytest.raises(ValueError, match="no tuned config fashion-mnist-st-eps4"):

@@ -220,7 +220,7 @@ def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> s
         return None
     return ("Post-hoc tau chosen after the search (or the transfer), by the search's score over a grid of taus on "
             "a validation split of this data set (post-processing of a released model, no budget; the tuned file's "
-            f"first line gives the model, the command and the figures): {', '.join(named)}.")
+            f"comment lines give the model, the command and the figures): {', '.join(named)}.")
 
 
 def carried_sentence(rows: list[dict]) -> str:

@@ -29,8 +29,6 @@ Not privacy-accounted, like the search itself: tau depends on noiseless validati
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import tomllib
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from .objective import choose_by_terms, evaluation_terms, mean_terms
-from .tuned import RECHOSEN_MARK, tuned_config_path
+from .tuned import RECHOSEN_MARK, leading_comments, tuned_config_path
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +76,9 @@ def validation_fraction(dataset: str) -> float:
 def model_dir(root: Path, dataset: str, epsilon: float, method: str, keys: dict, seed: int) -> Path:
     """Where the validation model of a tuned file's ``keys`` and ``seed`` lives (module docstring). Named by the
     keys without posthoc-tau: a tau changes no training step, so a model serves every tau."""
-    from .tune import search_dir
+    from .tune import keys_tag, search_dir
 
-    train_keys = {k: v for k, v in keys.items() if k != "posthoc-tau"}
-    tag = hashlib.sha256(json.dumps(train_keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    tag = keys_tag({k: v for k, v in keys.items() if k != "posthoc-tau"})
     return search_dir(root, dataset, epsilon) / "posthoc" / f"{method}-{tag}-seed{seed}"
 
 
@@ -164,7 +161,7 @@ def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, m
     keys["posthoc-tau"] = choice.chosen
     ours = f"# {RECHOSEN_MARK} on {dataset}'s {_OURS}"
     header = [line.replace(_NOTHING_CHOSEN, "Nothing of this data set chose these keys but posthoc-tau (below).")
-              for line in text.splitlines() if line.startswith("#") and not line.startswith(ours)]
+              for line in leading_comments(text) if not line.startswith(ours)]
     floor = f", among accuracy >= {min_accuracy:g}" if min_accuracy > 0 else ""
     fraction = validation_fraction(dataset)
     split = (f"trained with validation-fraction {fraction:g}" if fraction > 0 else

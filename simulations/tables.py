@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from .tune import SPACES
-from .tuned import RECHOSEN_MARK, transferred_from, tuned_config_path
+from .tuned import RECHOSEN_MARK, leading_comments, transferred_from, tuned_config_path
 
 # the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
@@ -173,7 +173,7 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
         files = (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
         chose = ("only its validation split chose a key: the post-hoc tau of the methods named below (`dpdro tune "
                  "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
-                 if any(own in line for f in files for line in _leading_comments(f))
+                 if any(own in line for f in files for line in leading_comments(f.read_text()))
                  else "so none of its data chose anything")
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
@@ -199,12 +199,6 @@ def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> 
             "these rows measure the method without its variance-reduced estimator.")
 
 
-def _leading_comments(path: Path) -> list[str]:
-    """The comment lines at the top of a TOML file."""
-    lines = path.read_text().splitlines()
-    return lines[:next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))]
-
-
 def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> str | None:
     """A sentence naming the methods whose tuned file of ``dataset`` has a posthoc-tau chosen after the search on
     validation (a comment line at its top carries ``RECHOSEN_MARK``), with that tau; None if there is none."""
@@ -213,7 +207,7 @@ def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> s
     named = []
     for method in methods:
         path = tuned_config_path(dataset, epsilon, method, configs / "tuned")
-        if path.exists() and any(RECHOSEN_MARK in line for line in _leading_comments(path)):
+        if path.exists() and any(RECHOSEN_MARK in line for line in leading_comments(path.read_text())):
             with open(path, "rb") as f:
                 named.append(f"{method} ({tomllib.load(f).get('posthoc-tau', 0.0):g})")
     if not named:

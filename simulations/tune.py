@@ -557,6 +557,13 @@ def select_winner(records: list[dict], seeds: int) -> dict | None:
     return max(full, key=lambda r: (r["score"], -r["trial"])) if full else None
 
 
+def keys_tag(keys: dict) -> str:
+    """12 hex digits of the SHA-256 of ``keys`` (sorted JSON): the folder name of a point's run outside the study."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path, seed: int = 0) -> dict:
     """Train one hand-set point of ``method`` with a trial's protocol (``trial_config``: the validation split, the
     trial length, the method's FIXED keys; ``keys`` override the rest) *outside* the search: it is not recorded in
@@ -564,14 +571,12 @@ def run_probe(dataset: str, epsilon: float, method: str, keys: dict, root: Path,
     method's setting). Runs in <root>/<dataset>/eps<e>/probes/<method>-<12 hex digits of the keys>[-seed<s> for a
     seed other than 0] (resumed if unfinished) and returns its summary.json. Raises ConfigError for an unknown key
     or bad value, before any work."""
-    import hashlib
-
     from .runner import run_one
 
     # typed values (the CLI gives text): the trial protocol computes with some of them (refresh-batch * scale);
     # an unknown key stays as it is for trial_config's Config to refuse, before any run
     keys = {k: FIELD_BY_KEY[k].parse(v) if k in FIELD_BY_KEY else v for k, v in keys.items()}
-    tag = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    tag = keys_tag(keys)
     # seed 0 keeps the folder it always had; another seed (a confirmation of the point) gets its own
     out = search_dir(root, dataset, epsilon) / "probes" / f"{method}-{tag}{f'-seed{seed}' if seed else ''}"
     default_batch = Config.from_mapping({}).refresh_batch  # a trial always draws one; a probe may leave it out

@@ -31,3 +31,9 @@ def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
         return None
     first = files[0].read_text().splitlines()[0]
     return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None
+
+
+def leading_comments(text: str) -> list[str]:
+    """The comment lines at the top of a TOML file's ``text`` (a tuned file's header)."""
+    lines = text.splitlines()
+    return lines[:next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))]

@@ -51,13 +51,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
 PIPED_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 
 
-def _eval_line(row: dict, split: str = "test") -> str:
-    """One evaluation as a line; ``split`` names the split evaluated (config eval-split: the row's figures are
-    called test_* whichever it is)."""
-    return (f"iteration {row['iteration']:>6}  epsilon {row['epsilon_spent']:.4f}  {split} accuracy "
-            f"{row['test_accuracy']:.4f}  worst-class accuracy {row['worst_class_accuracy']:.4f}")
-
-
 def _progress_display(total: int, stop_requested=lambda: False, split: str = "test"):
     """(close, Progress) of ``dpdro train``: on a terminal (stderr) a tqdm bar that starts at a resumed run's
     iteration, with the header, evaluation lines and notes above it; otherwise (piped, a log file) plain lines
@@ -65,7 +58,7 @@ def _progress_display(total: int, stop_requested=lambda: False, split: str = "te
     a progress line at most every PIPED_EVERY seconds."""
     import time
 
-    from dpdro.server.engine import Progress
+    from dpdro.server.engine import Progress, evaluation_line
 
     if not sys.stderr.isatty():
         last = [time.monotonic()]
@@ -81,7 +74,7 @@ def _progress_display(total: int, stop_requested=lambda: False, split: str = "te
         def on_start(t: int) -> None:  # data loading and setup are not training: the interval starts here
             last[0] = time.monotonic()
 
-        progress = Progress(on_start=on_start, on_step=on_step, on_eval=lambda row: say(_eval_line(row, split)),
+        progress = Progress(on_start=on_start, on_step=on_step, on_eval=lambda row: say(evaluation_line(row, split)),
                             on_note=say, stop_requested=stop_requested)
         return (lambda: None), progress
 
@@ -102,7 +95,7 @@ def _progress_display(total: int, stop_requested=lambda: False, split: str = "te
         shown = "inf" if eps == math.inf else f"{eps:.3f}"  # the last evaluation's, not the live spend
         bar.set_postfix_str(f"at iteration {row['iteration']}: eps={shown} acc={row['test_accuracy']:.4f} "
                             f"worst={row['worst_class_accuracy']:.4f}")
-        bar.write(_eval_line(row, split))
+        bar.write(evaluation_line(row, split))
 
     return bar.close, Progress(on_start=on_start, on_step=on_step, on_eval=on_eval, on_note=bar.write,
                                stop_requested=stop_requested)

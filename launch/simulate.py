@@ -197,15 +197,16 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     return read_json(summary_path)
 
 
-def run_completed(run_id: str, status: str, details: str, check=None) -> bool:
+def run_completed(run_id: str, status: str, details: str, outputs_complete: bool = False) -> bool:
     """Whether a Flower run that ended with ``status`` ('finished:...') and ``details`` completed:
-    'finished:completed', or 'finished:failed' for a lost heartbeat (``HEARTBEAT_LOST``) when ``check()`` returns
-    True. Flower fails a run when the SuperLink misses its app's heartbeats, which a starved CPU causes even after
-    the ServerApp has finished (seen on a 2-core machine running two other jobs); the complete outputs that
-    ``check`` verifies (dpdro: summary.json, written last) show the result stands, and a warning says so."""
+    'finished:completed', or 'finished:failed' for a lost heartbeat (``HEARTBEAT_LOST``) when
+    ``outputs_complete`` (the caller's check of the run's outputs passed). Flower fails a run when the SuperLink
+    misses its app's heartbeats, which a starved CPU causes even after the ServerApp has finished (seen on a
+    2-core machine running two other jobs); complete outputs (dpdro: summary.json, written last) show the result
+    stands, and a warning says so."""
     if status == "finished:completed":
         return True
-    if status == "finished:failed" and HEARTBEAT_LOST in details and check is not None and check() is True:
+    if status == "finished:failed" and HEARTBEAT_LOST in details and outputs_complete:
         log.warning("Flower run %s ended with status %r (%s) after its ServerApp finished: its outputs are "
                     "complete, so the run stands", run_id, status, details)
         return True
@@ -253,11 +254,11 @@ def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool
                 time.sleep(2)
             if log_proc is not None:
                 time.sleep(1.5)  # let the log stream flush its last lines
-            if not run_completed(run_id, status, details, check):
+            reason = check() if check is not None else True  # once: it may read files the run wrote
+            if not run_completed(run_id, status, details, outputs_complete=check is not None and reason is True):
                 tail = subprocess.run(_flwr("log", run_id, CONNECTION, "--show"), env=cli_env, capture_output=True,
                                       text=True, timeout=60).stdout[-3000:]
                 raise SimulationError(f"Flower run {run_id} ended with status {status!r} {details}\n{tail}")
-            reason = check() if check is not None else True
             if reason is not True:
                 raise SimulationError(f"Flower run {run_id} completed but {reason}")
             ok = True

@@ -93,6 +93,16 @@ def plan_line(n: int, delta: float, noise: dict[str, float]) -> str:
     return f"n={n} delta={delta:.3g} noise multipliers {({k: round(v, 4) for k, v in noise.items()})}"
 
 
+def evaluation_line(row: dict, split: str = "test") -> str:
+    """One evaluation of a run as a line (the same for ``dpdro train``, ``simulate`` and the Flower ServerApp):
+    iteration, epsilon spent ("inf (not private)" for a non-private run), the accuracy and worst-class accuracy on
+    ``split``, the config's eval-split (the row's keys say test_* whichever split it is)."""
+    eps = row["epsilon_spent"]
+    eps_text = "inf (not private)" if eps == math.inf else f"{eps:.4f}"
+    return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
+            f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
+
+
 def _note(progress: Progress, text: str) -> None:
     log.info("%s", text)
     progress.on_note(text)

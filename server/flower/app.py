@@ -4,7 +4,6 @@ single-node CLI over a ``FlowerTransport``. Progress goes to the run's log (``fl
 from __future__ import annotations
 
 import logging
-import math
 import sys
 
 from flwr.app import Context
@@ -15,11 +14,10 @@ from ...common.config import Config
 app = ServerApp()
 
 
-def _print_eval(row: dict, split: str = "test") -> None:
-    eps = row["epsilon_spent"]
-    eps_text = "inf (not private)" if eps == math.inf else f"{eps:.4f}"
-    print(f"[dpdro] iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
-          f"worst-class accuracy {row['worst_class_accuracy']:.4f}  ({row['wall_seconds']:.0f} s)", flush=True)
+def _print_eval(row: dict, split: str) -> None:
+    from ..engine import evaluation_line
+
+    print(f"[dpdro] {evaluation_line(row, split)}  ({row['wall_seconds']:.0f} s)", flush=True)
 
 
 @app.main()

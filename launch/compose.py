@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .deploy import DeploymentError, RunOutcome
-from .flwr_output import run_status, started_run_id
+from .flwr_output import require_run_id, run_status
 
 __all__ = ["APP_IN_IMAGE", "CONNECTION", "IMAGE_UID", "NODE_SERVICES", "OPERATOR_SERVICES", "ComposeDeployment",
            "build_image", "container_problem", "default_compose", "download_torch_wheels", "host_extra_ca_certs",
@@ -291,10 +291,7 @@ class ComposeDeployment:
         """``flwr run APP dpdro --format json --run-config RUN_CONFIG`` (APP: a path inside the image); returns
         the run id. Raises DeploymentError if no run was started."""
         out = self.flwr("run", app, CONNECTION, "--format", "json", "--run-config", run_config)
-        run_id = started_run_id(out)
-        if run_id is None:
-            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        return run_id
+        return require_run_id(out, DeploymentError)
 
     def status(self, run_id: str) -> tuple[str, str]:
         """(status, status-details) of a run from ``flwr ls --run-id``; ('unknown', output) if unreadable."""

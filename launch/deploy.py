@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .certs import CertSet, create_certificates
-from .flwr_output import run_status, started_run_id
+from .flwr_output import require_run_id, run_status
 from .processes import STOP_GRACE, alive, descendants, listener_pids, stop_on_signals, stop_tree
 
 __all__ = ["CONNECTION", "DeploymentError", "LoopbackDeployment", "RunOutcome", "alive", "deploy_config",
@@ -330,10 +330,7 @@ class LoopbackDeployment:
         if run_config:
             args += ["--run-config", run_config]
         out = self.flwr(*args, timeout=300)
-        run_id = started_run_id(out)
-        if run_id is None:
-            raise DeploymentError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        return run_id
+        return require_run_id(out, DeploymentError)
 
     def status(self, run_id: str) -> tuple[str, str]:
         """(status, status-details) of a run from ``flwr ls --run-id``; ('unknown', output) if unreadable."""

@@ -16,12 +16,21 @@ def _json(stdout: str) -> dict:
 
 
 def started_run_id(out: subprocess.CompletedProcess) -> str | None:
-    """The run id of ``flwr run ... --format json``, or None when no run was started (the caller raises its own
-    error with the output)."""
+    """The run id of ``flwr run ... --format json``, or None when no run was started (``require_run_id`` raises
+    instead)."""
     try:
         return str(_json(out.stdout)["run-id"])
     except (ValueError, KeyError):
         return None
+
+
+def require_run_id(out: subprocess.CompletedProcess, error: type[Exception]) -> str:
+    """The run id of ``flwr run ... --format json``; raises ``error`` (the caller's: SimulationError,
+    DeploymentError) with the tails of the output when no run was started."""
+    run_id = started_run_id(out)
+    if run_id is None:
+        raise error(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return run_id
 
 
 def run_status(out: subprocess.CompletedProcess) -> tuple[str, str]:

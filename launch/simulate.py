@@ -31,7 +31,7 @@ from pathlib import Path
 from ..common.config import Config, ConfigError, toml_value
 from ..common.data import pin_data_paths
 from ..server.rundir import RunDir, check_out_dir, read_json
-from .flwr_output import run_status, started_run_id
+from .flwr_output import require_run_id, run_status
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
 
 log = logging.getLogger(__name__)
@@ -240,9 +240,7 @@ def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool
             out = subprocess.run(_flwr("run", str(app_dir), CONNECTION, "--format", "json", "--federation-config",
                                        fed, "--run-config", run_config),
                                  env=cli_env, capture_output=True, text=True, timeout=300)
-            run_id = started_run_id(out)
-            if run_id is None:
-                raise SimulationError(f"flwr run did not start a run:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+            run_id = require_run_id(out, SimulationError)
             if stream:
                 log_proc = subprocess.Popen(_flwr("log", run_id, CONNECTION, "--stream"), env=cli_env)
             deadline = time.monotonic() + timeout

@@ -510,7 +510,7 @@ def test_flwr_json_output_is_read_alike_by_every_launcher():
     prints first; None / 'unknown' with the output's tails when there is nothing to read."""
     import subprocess
 
-    from dpdro.launch.flwr_output import run_status, started_run_id
+    from dpdro.launch.flwr_output import require_run_id, run_status, started_run_id
 
     def out(stdout, stderr=""):
         return subprocess.CompletedProcess([], 0, stdout, stderr)
@@ -518,6 +518,9 @@ def test_flwr_json_output_is_read_alike_by_every_launcher():
     assert started_run_id(out('{"success": true, "run-id": 42}')) == "42"
     assert started_run_id(out('Loading project configuration...\n{"run-id": 7}')) == "7"
     assert started_run_id(out("Error: no connection", "boom")) is None
+    assert require_run_id(out('{"run-id": 9}'), RuntimeError) == "9"
+    with pytest.raises(RuntimeError, match="flwr run did not start a run:\nError: no connection\nboom"):
+        require_run_id(out("Error: no connection", "boom"), RuntimeError)
     runs = '{"runs": [{"status": "finished:completed", "status-details": ""}]}'
     assert run_status(out(runs)) == ("finished:completed", "")
     assert run_status(out('{"runs": []}', "err")) == ("unknown", '{"runs": []}err')

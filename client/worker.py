@@ -18,7 +18,7 @@ from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.models import make_model, resolve_model, validate_model
-from ..common.per_sample import FlatModel, clipped_sum_and_count
+from ..common.per_sample import FlatModel, RowBlocks, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
 
@@ -150,16 +150,40 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
         sel = rows[start:start + chunk_size]
         xb, yb = x[sel], y[sel]
         kw = {"groups": groups[sel]} if groups is not None else {}
-        v = None
-        for flat, scalar, coef in zip(flats, scalars, coefs, strict=True):
-            term = fn(model, flat, scalar, xb, yb, problem, extra, **kw).detach()
-            if v is None:
-                v = term if coef == 1.0 else coef * term
-            elif coef == -1.0:
-                v.sub_(term)  # v is this chunk's own fresh tensor; in place saves a (chunk, D) pass
-            else:
-                v = v + coef * term
+        if len(flats) == 1 and getattr(fn, "rows", None) is not None:
+            # one point (a refresh): clip and sum the quantity's row blocks, no (chunk, D) matrix is formed
+            v = fn.rows(model, flats[0], scalars[0], xb, yb, problem, extra, **kw).scaled(coefs[0])
+        else:
+            v = _combined_rows(fn, model, flats, scalars, coefs, xb, yb, problem, extra, kw)
         part, n_clipped = clipped_sum_and_count(v, clip)
         total += part.to(torch.float64)
         clipped += n_clipped
     return total, clipped
+
+
+def _combined_rows(fn, model: FlatModel, flats, scalars, coefs, xb: torch.Tensor, yb: torch.Tensor, problem: Problem,
+                   extra, kw: dict) -> torch.Tensor | RowBlocks:
+    """sum_j coefs[j] fn(flats[j], scalars[j]) per record: the rows a query of several points clips. A quantity
+    with row blocks (``quantities.row_blocks``) is combined block by block (the same float operations per entry
+    as on the (B, D) matrix, without concatenating it); any other gives its (B, D) matrix."""
+    rows_fn = getattr(fn, "rows", None)
+    if rows_fn is not None:
+        terms = [rows_fn(model, flat, scalar, xb, yb, problem, extra, **kw)
+                 for flat, scalar in zip(flats, scalars, strict=True)]
+        return RowBlocks([_combine([t.weighted_block(j) for t in terms], coefs)
+                          for j in range(len(terms[0].blocks))])
+    return _combine([fn(model, flat, scalar, xb, yb, problem, extra, **kw).detach()
+                     for flat, scalar in zip(flats, scalars, strict=True)], coefs)
+
+
+def _combine(terms: list[torch.Tensor], coefs) -> torch.Tensor:
+    """sum_j coefs[j] terms[j] for fresh tensors of one shape (the first is overwritten where that saves a pass)."""
+    v = None
+    for term, coef in zip(terms, coefs, strict=True):
+        if v is None:
+            v = term if coef == 1.0 else coef * term
+        elif coef == -1.0:
+            v.sub_(term)  # v is this chunk's own fresh tensor; in place saves a (chunk, D) pass
+        else:
+            v = v + coef * term
+    return v

@@ -9,7 +9,9 @@ one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-rec
   ``dpdro bench`` measures against torch.func per model and device (docs/PERFORMANCE.md). Needs opacus installed.
 
 Both give the same gradients up to rounding (tests/test_per_sample.py checks 1e-6). Callers chunk large batches
-to bound memory.
+to bound memory. ``FlatModel.losses_and_grad_blocks`` gives the gradients as one (B, numel) block per parameter,
+where the engine leaves them; ``RowBlocks`` (blocks times a per-record factor) is clipped and summed without
+forming the (B, d) matrix, which is what a refresh release does (``quantities.row_blocks``).
 """
 
 from __future__ import annotations
@@ -76,21 +78,30 @@ class FlatModel:
                          offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-record cross-entropy (B,) and its gradients (B, d) at ``flat``, by this model's engine;
         ``offset`` (K,) as in ``losses``."""
+        losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+        return losses, torch.cat(blocks, dim=1)
+
+    def losses_and_grad_blocks(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                               offset: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-record cross-entropy (B,) and its gradients as one (B, numel) block per parameter, in the order
+        of the flat vector (``torch.cat(blocks, 1)`` is ``losses_and_grads``' (B, d)): where the engine leaves
+        them, without the (B, d) copy. ``offset`` (K,) as in ``losses``."""
         if self.engine == "opacus":
             return self._opacus_losses_and_grads(flat, x, y, offset)
 
-        def one(p: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            out = functional_call(self.module, (self.unflatten(p), self.buffers), (xi.unsqueeze(0),))
+        def one(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            out = functional_call(self.module, (params, self.buffers), (xi.unsqueeze(0),))
             return F.cross_entropy(out if offset is None else out + offset, yi.unsqueeze(0))
 
-        grads, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(flat, x, y)
-        return losses, grads
+        grads, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(self.unflatten(flat), x, y)
+        return losses, [grads[n].reshape(x.shape[0], -1) for n in self.names]
 
     def _opacus_losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                                 offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 offset: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The 'opacus' engine: a private copy of the module wrapped in Opacus' ``GradSampleModule`` (loss
         reduction 'sum': the gradient of sum_i loss_i leaves each record's own gradient in ``grad_sample``), its
-        parameters set to ``flat``; one forward and backward over the batch."""
+        parameters set to ``flat``; one forward and backward over the batch. Returns (losses (B,), one (B, numel)
+        block per parameter)."""
         import copy
         import warnings
 
@@ -112,11 +123,11 @@ class FlatModel:
             out = self._hooked(x)
             losses = F.cross_entropy(out if offset is None else out + offset, y, reduction="none")
             losses.sum().backward()
-        grads = torch.cat([p.grad_sample.reshape(x.shape[0], -1) for p in params], dim=1)
-        for p in params:  # free the (B, ...) per-layer copies now
+        blocks = [p.grad_sample.reshape(x.shape[0], -1) for p in params]
+        for p in params:  # the module lets go of them: the blocks are the caller's alone
             p.grad_sample = None
             p.grad = None
-        return losses.detach(), grads
+        return losses.detach(), blocks
 
 
 # Entries per partial sum of squares in ``norm_upper_bound``. Any summation order of b non-negative floats
@@ -137,6 +148,71 @@ def norm_upper_bound(v: torch.Tensor) -> torch.Tensor:
     1 + 2 ``clip_margin(v.dtype)`` of it: float sums of squares over blocks of NORM_BLOCK entries in v's
     dtype, summed in float64, times 1 + ``clip_margin``. Rows with a NaN give NaN, rows whose squares
     overflow give inf."""
+    return _block_squares(v).sqrt() * (1.0 + clip_margin(v.dtype))
+
+
+class RowBlocks:
+    """Per-record vectors (B, D) kept as the engine produced them: column blocks (B, d_1), ..., (B, d_k) with
+    D = sum d_j (one per parameter, ``FlatModel.losses_and_grad_blocks``) and a per-record factor (B,) or None.
+    Row i is factor_i [blocks_1[i], ..., blocks_k[i]].
+
+    ``clipped_sum_and_count`` clips and sums such rows without forming them: the norm of row i is |factor_i|
+    times that of its blocks, and the factor joins the clip factor, so a refresh of a weighted gradient (the DRO
+    weight, a group weight) costs no (B, D) concatenation and no (B, D) product. ``dense()`` forms the matrix
+    (for the difference of two points, and for callers of the (B, D) form).
+
+    Args: blocks (list of 2-D tensors, same B, dtype and device); factor (B,) in their dtype, or None for 1.
+    ValueError for an empty list or blocks of unequal rows.
+    """
+
+    def __init__(self, blocks: list[torch.Tensor], factor: torch.Tensor | None = None) -> None:
+        if not blocks or any(b.dim() != 2 or b.shape[0] != blocks[0].shape[0] for b in blocks):
+            raise ValueError(f"row blocks must be 2-D with equal rows; got shapes {[tuple(b.shape) for b in blocks]}")
+        self.blocks = blocks
+        self.factor = factor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks[0].shape[0], sum(b.shape[1] for b in self.blocks)
+
+    def scaled(self, c: float) -> RowBlocks:
+        """These rows times the public constant c (self when c is 1)."""
+        if c == 1.0:
+            return self
+        rows = self.blocks[0].shape[0]
+        base = self.factor if self.factor is not None else torch.ones(rows, dtype=self.blocks[0].dtype,
+                                                                     device=self.blocks[0].device)
+        return RowBlocks(self.blocks, base * c)
+
+    def weighted_block(self, j: int) -> torch.Tensor:
+        """Column block j times the factor, (B, d_j): the block itself, scaled in place (the blocks are this
+        object's own; a block read this way must not be read again through it)."""
+        block = self.blocks[j]
+        return block if self.factor is None else block.mul_(self.factor.unsqueeze(1))
+
+    def dense(self) -> torch.Tensor:
+        """The rows as a (B, D) tensor: the blocks concatenated (a new tensor), times the factor (in place on the
+        copy); with one block, that block itself when there is no factor, else a new product."""
+        if len(self.blocks) == 1:
+            v = self.blocks[0]
+            return v if self.factor is None else v * self.factor.unsqueeze(1)
+        v = torch.cat(self.blocks, dim=1)
+        return v if self.factor is None else v.mul_(self.factor.unsqueeze(1))
+
+    def norm_upper_bound(self) -> torch.Tensor:
+        """Upper bound (B,) float64 on the exact L2 norm of each row, as ``norm_upper_bound`` of the dense rows
+        would give it (blocks of NORM_BLOCK entries per column block, summed in float64, the same margin), times
+        |factor| (in float64)."""
+        rows = self.blocks[0].shape[0]
+        squares = torch.zeros(rows, dtype=torch.float64, device=self.blocks[0].device)
+        for b in self.blocks:
+            squares += _block_squares(b)
+        norms = squares.sqrt() * (1.0 + clip_margin(self.blocks[0].dtype))
+        return norms if self.factor is None else norms * self.factor.to(torch.float64).abs()
+
+
+def _block_squares(v: torch.Tensor) -> torch.Tensor:
+    """Float64 sum of squares (B,) of each row of v (B, D), as float sums over NORM_BLOCK entries."""
     rows, dim = v.shape
     whole = dim - dim % NORM_BLOCK
     squares = torch.zeros(rows, dtype=torch.float64, device=v.device)
@@ -145,7 +221,7 @@ def norm_upper_bound(v: torch.Tensor) -> torch.Tensor:
         squares += (blocks.to(torch.float64) ** 2).sum(1)
     if whole < dim:
         squares += torch.linalg.vector_norm(v[:, whole:], dim=1).to(torch.float64) ** 2
-    return squares.sqrt() * (1.0 + clip_margin(v.dtype))
+    return squares
 
 
 def clip_scales(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +271,29 @@ def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, 
 
     Each clipped row has exact norm <= bound; the sum of B rows in v's dtype has norm <= B bound (1 + B u),
     u = eps / 2 of the dtype (rounding of the sum; ``release.reply_tolerance`` allows exactly this)."""
+    if isinstance(v, RowBlocks):
+        return _clipped_blocks_sum_and_count(v, bound)
     if math.isinf(bound):
         return v.sum(0), 0
     scale, scaled = clip_scales(v, bound)
     return scale @ _finite_rows(v, scale), int(scaled.sum())
+
+
+def _clipped_blocks_sum_and_count(v: RowBlocks, bound: float) -> tuple[torch.Tensor, int]:
+    """``clipped_sum_and_count`` of ``v.dense()`` without forming it: per-row coefficients factor_i * c_i, c_i the
+    clip factor of the row's norm bound (``RowBlocks.norm_upper_bound``), applied to each column block by one
+    matrix-vector product. The exact norm of a contributed row is <= |fl(factor_i c_i)| ||blocks[i]|| (1 + u) <=
+    bound: the same margin covers the rounding of the coefficient as that of ``clip_scales``' factor. A row whose
+    bound is not finite (NaN or Inf in its blocks or factor) goes through the dense path, which zeroes it."""
+    data = v.blocks[0]
+    if math.isinf(bound):
+        if v.factor is None:
+            return torch.cat([b.sum(0) for b in v.blocks]), 0
+        return torch.cat([v.factor @ b for b in v.blocks]), 0
+    norms = v.norm_upper_bound()
+    if not bool(torch.isfinite(norms).all()):
+        return clipped_sum_and_count(v.dense(), bound)
+    scale = torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
+    coef = scale if v.factor is None else scale * v.factor.to(torch.float64)
+    coef = coef.to(data.dtype)
+    return torch.cat([coef @ b for b in v.blocks]), int((scale < 1.0).sum())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .dro import dro_weight
-from .per_sample import FlatModel, clip_rows
+from .per_sample import FlatModel, RowBlocks, clip_rows
 from .psi import Psi, make_psi
 from .registry import Registry
 
@@ -66,6 +66,20 @@ def register_quantity(name: str):
     return QUANTITIES.register(name)
 
 
+def row_blocks(rows: Callable[..., RowBlocks]) -> QuantityFn:
+    """A quantity computed as ``RowBlocks`` (per-parameter gradient blocks times a per-record factor): the
+    registered function returns the (B, D) tensor (``rows(...).dense()``) and carries ``rows`` as ``.rows``,
+    which the client calls for a single-point query (a refresh) to clip and sum without forming (B, D)
+    (``per_sample.RowBlocks``). Both give the same sum up to rounding (tests/test_per_sample.py)."""
+
+    def dense(*args, **kwargs) -> torch.Tensor:
+        return rows(*args, **kwargs).dense()
+
+    dense.__name__, dense.__qualname__, dense.__doc__ = rows.__name__, rows.__qualname__, rows.__doc__
+    dense.rows = rows
+    return dense
+
+
 def record_weights(losses: torch.Tensor, eta: float, problem: Problem) -> torch.Tensor:
     """The DRO weight of each record as both blocks of dp-double-spider use it, (B,) from losses (B,):
     psi*'((l' - G eta) / lambda) with l' = min(l, B) when ``problem.clamp_weights`` (else l), then capped at
@@ -94,12 +108,12 @@ def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
 
 
 @register_quantity("dual-x")
-def dual_x(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
+@row_blocks
+def dual_x(model, flat, eta, x, y, problem, extra=()) -> RowBlocks:
     """grad_x L(x, eta; xi) = w grad_x l(x; xi) per record, shape (B, d), w = ``record_weights`` (psi*'(s) when
     the problem neither clamps nor caps)."""
-    losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
-    w = record_weights(losses.detach(), eta, problem)
-    return grads * w.unsqueeze(1)
+    losses, blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)
+    return RowBlocks(blocks, record_weights(losses.detach(), eta, problem))
 
 
 def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bound: float,
@@ -125,7 +139,7 @@ def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch
     model, like the KL terms of Algorithm 3)."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     w = record_weights(losses.detach(), eta, replace(problem, clamp_weights=True))
-    return clip_rows(grads, float(extra[0])) * w.unsqueeze(1)
+    return clip_rows(grads, float(extra[0])).mul_(w.unsqueeze(1))
 
 
 @register_quantity("dual-joint")
@@ -134,14 +148,15 @@ def dual_joint(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
     (dp-sgd-dual and dp-spiderboost)."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     w = dro_weight(losses.detach(), eta, problem.psi, problem.lam, problem.eta_scale)
-    return torch.cat([grads * w.unsqueeze(1), (problem.eta_scale * (1.0 - w)).unsqueeze(1)], dim=1)
+    return torch.cat([grads.mul_(w.unsqueeze(1)), (problem.eta_scale * (1.0 - w)).unsqueeze(1)], dim=1)
 
 
 @register_quantity("ce-grad")
-def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
+@row_blocks
+def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> RowBlocks:
     """grad_x l(x; xi) of the cross-entropy (ERM, dp-sgd; logit-adjusted when the query carries an offset),
     shape (B, d). ``scalar`` is unused."""
-    return model.losses_and_grads(flat, x, y, problem.offset)[1]
+    return RowBlocks(model.losses_and_grad_blocks(flat, x, y, problem.offset)[1])
 
 
 def uses_groups(fn: QuantityFn) -> QuantityFn:
@@ -154,12 +169,13 @@ def uses_groups(fn: QuantityFn) -> QuantityFn:
 
 @register_quantity("class-weighted-grad")
 @uses_groups
-def class_weighted_grad(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+@row_blocks
+def class_weighted_grad(model, flat, scalar, x, y, problem, extra=(), groups=None) -> RowBlocks:
     """extra[g] * grad_x l(x; xi): per-group weights (K,) given by the query (dp-sgda's descent), g the record's
     class or declared group (as ``class_loss_stats``), (B, d)."""
     weights = torch.as_tensor(list(extra), dtype=flat.dtype, device=flat.device)
-    grads = model.losses_and_grads(flat, x, y, problem.offset)[1]
-    return grads * weights[y if groups is None else groups].unsqueeze(1)
+    blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)[1]
+    return RowBlocks(blocks, weights[y if groups is None else groups])
 
 
 @register_quantity("class-onehot")
@@ -212,7 +228,8 @@ def group_loss(model, flat, scalar, x, y, problem, extra=(), groups=None) -> tor
 
 @register_quantity("group-weighted-grad")
 @uses_groups
-def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None) -> torch.Tensor:
+@row_blocks
+def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None) -> RowBlocks:
     """w_g c(grad_x l) per record, shape (B, d), g the record's group, for dro-level=group (ALGORITHMS.md 3.3).
 
     extra = (C_g, K, w^(0)_1..w^(0)_K[, w^(1)_1..w^(1)_K]): the public group weights of each point of the query, and
@@ -222,10 +239,10 @@ def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None
     (dro-clip=product: the client's clip of the whole row then applies, as for clip_C(w grad l))."""
     grad_clip, k, j = float(extra[0]), int(extra[1]), int(round(index))
     w = torch.as_tensor(list(extra[2 + j * k:2 + (j + 1) * k]), dtype=flat.dtype, device=flat.device)
-    grads = model.losses_and_grads(flat, x, y, problem.offset)[1]
+    blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)[1]
     if math.isfinite(grad_clip):
-        grads = clip_rows(grads, grad_clip)
-    return grads * w[y if groups is None else groups].unsqueeze(1)
+        blocks = [clip_rows(torch.cat(blocks, dim=1), grad_clip)]
+    return RowBlocks(blocks, w[y if groups is None else groups])
 
 
 def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:
@@ -273,7 +290,7 @@ def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     bound = problem.loss_bound
     g = _kl_terms(losses, lam, bound, problem.soft_clamp)
     slope = torch.sigmoid(bound - losses) if problem.soft_clamp else (losses <= bound).to(g.dtype)
-    v = grads * (g * slope / lam).unsqueeze(1)
+    v = grads.mul_((g * slope / lam).unsqueeze(1))  # in place, as below: each (B, d) pass saved is one copy
     u = g * (bound - clamped_loss(losses, bound, problem.soft_clamp)) / lam**2
     out = torch.cat([v, (problem.u_scale * u).unsqueeze(1)], dim=1)
-    return out * float(extra[0]) if extra else out
+    return out.mul_(float(extra[0])) if extra else out

@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpdro.common.messages import Point, Query, Reply
-from dpdro.common.per_sample import clip_margin, clip_rows, clip_scales, clipped_sum_and_count, norm_upper_bound
+from dpdro.common.per_sample import (
+    RowBlocks,
+    clip_margin,
+    clip_rows,
+    clip_scales,
+    clipped_sum_and_count,
+    norm_upper_bound,
+)
 from dpdro.server.release import ReplyError, check_reply, reply_tolerance
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -73,6 +80,47 @@ def test_honest_replies_always_pass_the_servers_check(case, count_scale):
         out = np.append(out, count_scale * bound * clipped)
     q = Query(1, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, bound, dim, count_scale=count_scale)
     check_reply(q, Reply(q.qid, 0, out, int(v.shape[0])), dtype)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.integers(1, 4), st.sampled_from(["none", "uniform", "spread"]))
+def test_row_blocks_clip_and_sum_as_their_dense_rows(case, parts, factor_kind):
+    """RowBlocks (column blocks times a per-record factor, never formed): the clipped sum equals that of the dense
+    rows to rounding, the clipped count is the same away from the bound, and one record's clipped sum has exact
+    norm <= the bound (the factor joins the clip factor without overshoot)."""
+    dtype, v, bound = case
+    rows, dim = v.shape
+    cuts = sorted({0, dim, *(dim * i // parts for i in range(1, parts))})
+    blocks = [v[:, a:b].clone() for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    factor = {"none": None, "uniform": torch.full((rows,), 0.5, dtype=v.dtype),
+              "spread": torch.logspace(-3, 3, rows, dtype=torch.float64).to(v.dtype)}[factor_kind]
+    rb = RowBlocks(blocks, factor)
+    dense = rb.dense()
+    assert rb.shape == tuple(dense.shape) == (rows, dim)
+    total, clipped = clipped_sum_and_count(rb, bound)
+    ref, ref_clipped = clipped_sum_and_count(dense, bound)
+    scale = float(ref.abs().max()) + float(bound)
+    tol = 64 * rows * torch.finfo(v.dtype).eps * scale
+    assert float((total - ref).abs().max()) <= tol
+    far = np.abs(exact_norms(dense) / bound - 1) > 8 * clip_margin(v.dtype)
+    if far.all():
+        assert clipped == ref_clipped
+    one, _ = clipped_sum_and_count(RowBlocks([b[:1] for b in blocks], None if factor is None else factor[:1]), bound)
+    assert float(np.linalg.norm(one.double().numpy())) <= bound
+
+
+def test_row_blocks_with_nan_or_inf_rows_contribute_nothing():
+    rb = RowBlocks([torch.tensor([[3.0], [math.nan], [0.3]]), torch.tensor([[4.0], [1.0], [0.4]])],
+                   torch.tensor([1.0, 1.0, 1.5]))
+    total, clipped = clipped_sum_and_count(rb, 1.0)
+    np.testing.assert_allclose(total.numpy(), [0.6 + 0.45, 0.8 + 0.6], rtol=1e-5)
+    assert clipped == 2
+    total, _ = clipped_sum_and_count(RowBlocks(rb.blocks, torch.tensor([math.inf, 1.0, 1.0])), 1.0)
+    np.testing.assert_allclose(total.numpy(), [0.3, 0.4], rtol=1e-5)  # an infinite factor zeroes its row
+    np.testing.assert_allclose(clipped_sum_and_count(RowBlocks([torch.ones(2, 3)], torch.tensor([2.0, 3.0])),
+                                                     math.inf)[0].numpy(), [5.0, 5.0, 5.0])
+    with pytest.raises(ValueError, match="equal rows"):
+        RowBlocks([torch.ones(2, 3), torch.ones(3, 1)])
 
 
 def test_one_float32_record_on_the_bound_is_not_rejected():

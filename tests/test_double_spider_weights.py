@@ -46,6 +46,10 @@ class FixedLosses:
     def losses_and_grads(self, flat, x, y, offset=None):
         return self.l.clone(), self.g.clone()
 
+    def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
+        losses, grads = self.losses_and_grads(flat, x, y, offset)
+        return losses, [grads[:, :1], grads[:, 1:]]
+
 
 def private_cfg(**kw) -> Config:
     values = {"algorithm": "dp-double-spider", "epsilon": 4.0, "lambda": 1.0, "loss-bound": 10.0, "eta-init": 2.0,

@@ -213,6 +213,10 @@ class Rows:
     def losses_and_grads(self, flat, x, y, offset=None):
         return self.l.clone(), self.g.clone()
 
+    def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
+        losses, grads = self.losses_and_grads(flat, x, y, offset)
+        return losses, [grads[:, :1], grads[:, 1:]]
+
 
 def test_group_quantities_rows():
     grads = torch.tensor([[3.0, 4.0], [0.3, 0.4], [6.0, 8.0]], dtype=torch.float64)

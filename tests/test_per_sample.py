@@ -154,6 +154,28 @@ def test_worker_difference_sum_equals_autograd(setup, clip, engine):
     np.testing.assert_allclose(reply.total, diffs.sum(0).numpy(), rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.parametrize("engine", ["torch.func", "opacus"])
+@pytest.mark.parametrize("clip", [math.inf, 0.05])
+def test_worker_refresh_sum_equals_autograd(setup, clip, engine):
+    """ShardWorker.answer of a refresh query at rate 1 (one point: the client clips and sums the quantity's row
+    blocks, ``quantities.row_blocks``, never forming the (B, d) matrix): the sum over records of clip(w grad_x l)
+    with the single-record autograd reference, with either engine, at a clip that binds and at none."""
+    module, fm, x, y, flat0, flat1 = setup
+    cfg = Config.from_mapping({"dtype": "float64", "seed": SEED, "psi": "chi2", "lambda": 0.7,
+                               "eta-scale": 2.0, "reproducible": True, "chunk-size": 4,
+                               "per-record-engine": engine})
+    worker = ShardWorker(cfg, ArrayDataset(x, y, 10, "synthetic"), partition=0)
+    assert callable(getattr(QUANTITIES["dual-x"], "rows", None))
+    query = Query(iteration=4, mechanism="x-refresh", quantity="dual-x", points=(Point(1, 1.2),), rate=1.0,
+                  clip=clip, dim=fm.dim)
+    reply = worker.answer(query, {1: flat1.numpy()})
+    grads = single_records(module, flat1, x, y, 1.2, Problem(psi=make_psi("chi2"), lam=0.7, eta_scale=2.0))[1]
+    if math.isfinite(clip):
+        assert torch.all(grads.norm(dim=1) > clip)  # the clip binds
+        grads = grads * (clip / grads.norm(dim=1, keepdim=True))
+    np.testing.assert_allclose(reply.total, grads.sum(0).numpy(), rtol=1e-8, atol=1e-11)
+
+
 # ---- clip_rows ----
 
 def test_clip_rows_bounds_norms():

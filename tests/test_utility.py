@@ -228,6 +228,10 @@ def test_weight_after_clip_never_exceeds_its_declared_sensitivity(losses, scale,
             g = torch.randn(len(losses), 7, generator=torch.Generator().manual_seed(len(losses)), dtype=torch.float64)
             return torch.tensor(losses, dtype=torch.float64), g * scale
 
+        def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
+            losses, grads = self.losses_and_grads(flat, x, y, offset)
+            return losses, [grads[:, :1], grads[:, 1:]]
+
     problem = Problem(make_psi(psi, 0.3), lam, 1.0, loss_bound=4.0, clamp_weights=True)
     v = dual_x_weight_after_clip(FakeModel(), None, eta, None, None, problem, (clip,))
     bound = clip * dro_weight_bound(problem.psi, eta, lam, 1.0, 4.0)
@@ -241,6 +245,10 @@ def test_weight_after_clip_keeps_weights_that_the_product_clip_erases():
     class FakeModel:
         def losses_and_grads(self, flat, x, y, offset=None):
             return torch.tensor([0.5, 3.0], dtype=torch.float64), torch.full((2, 4), 10.0, dtype=torch.float64)
+
+        def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
+            losses, grads = self.losses_and_grads(flat, x, y, offset)
+            return losses, [grads[:, :1], grads[:, 1:]]
 
     problem = Problem(make_psi("chi2", 0.1), 1.0, 1.0, loss_bound=4.0, clamp_weights=True)
     wac = torch.linalg.vector_norm(dual_x_weight_after_clip(FakeModel(), None, 0.0, None, None, problem, (1.0,)),

@@ -29,12 +29,22 @@ from ...common.transport import ClientFailure, RoundResult
 from .secagg import SecAggRange, SecureRound
 
 log = logging.getLogger(__name__)
-# Reply polls back off from POLL_SECONDS to POLL_MAX_SECONDS (x POLL_GROWTH each empty pull): a fast round is
-# seen within ~10 ms, and a deployment round of several seconds costs at most 20 HTTPS pulls of the SuperLink per
-# second instead of 100 (CPU the SuperLink and ServerApp take from a small machine's nodes; not measured apart).
+# Reply polls back off from POLL_SECONDS to POLL_MAX_SECONDS (x POLL_GROWTH each empty pull), and never wait
+# longer than POLL_SHARE of the time the round has taken so far: a fast round is seen within ~10 ms, a simulated
+# round of 0.2 s within ~20 ms (the wait adds at most ~10 % to a round), and a deployment round of several seconds
+# costs at most 20 HTTPS pulls of the SuperLink per second instead of 100 (CPU the SuperLink and ServerApp take from
+# a small machine's nodes; not measured apart).
 POLL_SECONDS = 0.01
 POLL_MAX_SECONDS = 0.05
 POLL_GROWTH = 1.5
+POLL_SHARE = 0.1
+
+
+def next_poll_delay(delay: float, elapsed: float) -> float:
+    """Seconds to sleep before the next pull of a round's replies, after an empty pull that waited ``delay``, the
+    round having run ``elapsed`` seconds: delay x POLL_GROWTH, at most POLL_MAX_SECONDS and POLL_SHARE x elapsed,
+    at least POLL_SECONDS."""
+    return max(POLL_SECONDS, min(delay * POLL_GROWTH, POLL_MAX_SECONDS, POLL_SHARE * elapsed))
 
 
 class FlowerTransport:
@@ -91,7 +101,8 @@ class FlowerTransport:
             raise ClientFailure(f"only {len(ids)} of {len(msgs)} messages could be pushed to the SuperLink")
         out: dict[int, RecordDict] = {}
         errors: dict[int, str] = {}
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         pending = set(ids)
         delay = POLL_SECONDS
         while pending:
@@ -110,7 +121,7 @@ class FlowerTransport:
                 break
             if pending:
                 time.sleep(delay)
-                delay = min(delay * POLL_GROWTH, POLL_MAX_SECONDS)
+                delay = next_poll_delay(delay, time.monotonic() - started)
         return out, errors
 
     @property

@@ -175,6 +175,14 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
                  "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
                  if any(own in line for f in files for line in leading_comments(f.read_text()))
                  else "so none of its data chose anything")
+        searched = sorted(f.name.removeprefix(f"{dataset}-eps{epsilon:g}-").removesuffix(".toml")
+                          for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
+                          if f.read_text().startswith(f"# Tuned by `dpdro tune --dataset {dataset} "))
+        if searched:
+            return (f"Hyper-parameters: **searched on {dataset}** for {', '.join(searched)} (the same budget each, "
+                    f"docs/TUNING.md, each search's first trial the method's keys transferred from {source}); every "
+                    f"other method keeps the keys its search on {source} selected (`dpdro tune --dataset {dataset} "
+                    f"--transfer-from {source}`), {chose}.")
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
                 f"{chose} (equal tuning effort: every method's keys come from the same search).")

@@ -234,10 +234,14 @@ def clip_scales(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tens
     bounded whatever its values, so an honest client's sum is always finite and within its bound (no reply is
     rejected because of the records it happened to sample). Rows already shorter than bound / (1 + margin)
     are unchanged; a row within the margin of the bound shrinks by at most ~1e-5 (float32)."""
-    norms = norm_upper_bound(v)
-    scale = torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
-    scale = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
+    scale = _clip_factors(norm_upper_bound(v), bound)
     return scale.to(v.dtype), scale < 1.0
+
+
+def _clip_factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
+    """min(1, bound / N) per row (B,) float64 from norm upper bounds N (B,) float64; 0 where N is not finite."""
+    scale = torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
+    return torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
 
 
 def _finite_rows(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -285,7 +289,6 @@ def _clipped_blocks_sum_and_count(v: RowBlocks, bound: float) -> tuple[torch.Ten
     matrix-vector product. The exact norm of a contributed row is <= |fl(factor_i c_i)| ||blocks[i]|| (1 + u) <=
     bound: the same margin covers the rounding of the coefficient as that of ``clip_scales``' factor. A row whose
     bound is not finite (NaN or Inf in its blocks or factor) goes through the dense path, which zeroes it."""
-    data = v.blocks[0]
     if math.isinf(bound):
         if v.factor is None:
             return torch.cat([b.sum(0) for b in v.blocks]), 0
@@ -293,7 +296,6 @@ def _clipped_blocks_sum_and_count(v: RowBlocks, bound: float) -> tuple[torch.Ten
     norms = v.norm_upper_bound()
     if not bool(torch.isfinite(norms).all()):
         return clipped_sum_and_count(v.dense(), bound)
-    scale = torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
-    coef = scale if v.factor is None else scale * v.factor.to(torch.float64)
-    coef = coef.to(data.dtype)
+    scale = _clip_factors(norms, bound)
+    coef = (scale if v.factor is None else scale * v.factor.to(torch.float64)).to(v.blocks[0].dtype)
     return torch.cat([coef @ b for b in v.blocks]), int((scale < 1.0).sum())

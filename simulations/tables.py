@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from .tune import SPACES
-from .tuned import RECHOSEN_MARK, leading_comments, transferred_from, tuned_config_path
+from .tuned import RECHOSEN_MARK, leading_comments, searched_methods, transferred_from, tuned_config_path
 
 # the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
@@ -175,9 +175,7 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
                  "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
                  if any(own in line for f in files for line in leading_comments(f.read_text()))
                  else "so none of its data chose anything")
-        searched = sorted(f.name.removeprefix(f"{dataset}-eps{epsilon:g}-").removesuffix(".toml")
-                          for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
-                          if f.read_text().startswith(f"# Tuned by `dpdro tune --dataset {dataset} "))
+        searched = searched_methods(dataset, epsilon, configs)
         if searched:
             return (f"Hyper-parameters: **searched on {dataset}** for {', '.join(searched)} (the same budget each, "
                     f"docs/TUNING.md, each search's first trial the method's keys transferred from {source}); every "

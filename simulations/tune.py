@@ -72,7 +72,7 @@ from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, Sear
 from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
 from .objective import evaluation_terms, mean_terms, pack_terms
-from .tuned import TRANSFER_MARK, transferred_from, tuned_config_path
+from .tuned import SEARCH_MARK, TRANSFER_MARK, transferred_from, tuned_config_path
 
 log = logging.getLogger(__name__)
 
@@ -633,7 +633,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, co
             continue
         winners[method] = win
         keys = final_keys(load_run_config(win["out_dir"]))
-        header = (f"# Tuned by `dpdro tune --dataset {dataset} --epsilon {epsilon:g} --trials {record['trials']}`: "
+        header = (f"{SEARCH_MARK} {dataset} --epsilon {epsilon:g} --trials {record['trials']}`: "
                   f"trial {win['trial']} of {method} ({budget_line(record)}), mean over {win['seeds']} seed(s): "
                   f"validation worst {win['val_worst']:.4f}, two lowest {win['val_two_lowest']:.4f}, accuracy "
                   f"{win['val_accuracy']:.4f}.\n# Trains on the whole training split, evaluates on the test split. "

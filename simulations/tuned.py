@@ -11,6 +11,7 @@ from pathlib import Path
 
 TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
 TRANSFER_MARK = "# Transferred"  # first line of a file written by ``tune.transfer_tuned``
+SEARCH_MARK = "# Tuned by `dpdro tune --dataset"  # first line of a file written by a search (``tune``)
 # In a comment line at the top of a tuned file whose posthoc-tau was chosen after the search (or the transfer) on
 # a validation split by the search's score (``dpdro tune --choose-posthoc-tau``, simulations/posthoc_tau.py; by hand
 # before it: ``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files quote the source's first line, so the
@@ -31,6 +32,16 @@ def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
         return None
     first = files[0].read_text().splitlines()[0]
     return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None
+
+
+def searched_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:
+    """The methods whose tuned file of (dataset, epsilon) a search on that data set wrote (its first line says so),
+    sorted; [] when none did."""
+    prefix = tuned_config_path(dataset, epsilon, "", Path()).stem  # '<dataset>-eps<e>-'
+    mark = f"{SEARCH_MARK} {dataset} "
+    return sorted(f.stem.removeprefix(prefix)
+                  for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
+                  if f.read_text().startswith(mark))
 
 
 def leading_comments(text: str) -> list[str]:

@@ -143,6 +143,7 @@ declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
           "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", "dro-level",
+          "block-order",
           "dro-groups", "dro-reference", "beta", *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
@@ -159,7 +160,7 @@ declare_algorithm(AlgorithmSpec(
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
           "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp", "dro-level", "dro-groups",
-          "dro-reference", "dro-clip", "weight-cap"),
+          "dro-reference", "dro-clip", "weight-cap", "block-order"),
     quantities=("kl-vu", "kl-g", "group-loss", "group-weighted-grad"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True),
            "dro-reference": _DRO_REFERENCE, "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "beta": _BETA,

@@ -275,6 +275,13 @@ FIELDS: tuple[Field, ...] = (
           "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
           "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
           choices=("fixed", "weight-bound"), role="algorithm"),
+    Field("block-order", "str", "sequential", "Order of the dual (eta, or the group weights) and model blocks of "
+          "dp-double-spider and group-level recursive-spider: 'sequential' (the paper's Algorithm 2: the x block is "
+          "evaluated at the eta or weights released in the same iteration, two message rounds per iteration) or "
+          "'simultaneous' (both blocks at the same point (x_t, eta_t), the x block with the weights of the previous "
+          "iteration's release: one round per iteration, the same releases and sensitivities; ALGORITHMS.md 3.4). "
+          "Record-level recursive-spider is simultaneous by construction (Algorithm 3) and ignores the key.",
+          choices=("sequential", "simultaneous"), role="algorithm"),
     Field("dro-level", "str", "record", "Uncertainty set of dp-double-spider and recursive-spider: 'record' (the "
           "paper's: a psi-divergence ball over records) or 'group' (over the K classes: q near the class priors pi, "
           "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "

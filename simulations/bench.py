@@ -349,18 +349,21 @@ def bench_flower(opts: BenchOptions) -> dict:
             "device": opts.device, "chunk-size": opts.chunk_size}
     tmp = Path(tempfile.mkdtemp(prefix="dpdro-bench-"))
     threads_before = torch.get_num_threads()
-    runs = {"single": [], "flower": []}
+    # each transport in both block orders (ALGORITHMS.md 3.4): sequential = 2 rounds per iteration, simultaneous = 1
+    runs = {"single": [], "flower": [], "single-simultaneous": [], "flower-simultaneous": []}
     params = {}
-    order = ["single", "flower", "fedavg"] if opts.quick else ["single", "flower", "fedavg", "fedavg", "flower",
-                                                               "single"]
+    order = ["single", "flower", "single-simultaneous", "flower-simultaneous", "fedavg"]
+    if not opts.quick:
+        order += order[::-1]
     fedavg_rounds: list[float] = []
     for i, kind in enumerate(order):
         if kind == "fedavg":
             fedavg_rounds += fedavg_simulation_rounds(base["num-clients"], iters, tmp / f"fedavg{i}.json")
             continue
-        cfg = Config.from_mapping({**base, "out-dir": str(tmp / f"{kind}{i}")})
+        block_order = "simultaneous" if kind.endswith("simultaneous") else "sequential"
+        cfg = Config.from_mapping({**base, "block-order": block_order, "out-dir": str(tmp / f"{kind}{i}")})
         t0 = time.perf_counter()
-        if kind == "single":
+        if kind.startswith("single"):
             train_set, test_set = load_from_config(cfg, train=True), load_from_config(cfg, train=False)
             train(cfg, LocalTransport(cfg, train_set), test_set)
         else:
@@ -372,13 +375,18 @@ def bench_flower(opts: BenchOptions) -> dict:
         params[kind] = np.load(Path(cfg.out_dir) / "final_params.npy")
     torch.set_num_threads(threads_before)
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall", "per_iteration")} for k, v in runs.items()}
-    rounds_per_iteration = 2  # dp-double-spider: the eta block, then the x block at the new eta
+    sim = {"flower": "flower-simultaneous", "single": "single-simultaneous"}
     return {"config": base, "runs": runs, "median": med,
             "ratio_raw": med["flower"]["wall"] / med["single"]["wall"],
             "ratio_per_iteration": med["flower"]["per_iteration"] / med["single"]["per_iteration"],
-            "overhead_per_round": (med["flower"]["per_iteration"] - med["single"]["per_iteration"])
-            / rounds_per_iteration,
+            # sequential dp-double-spider: the eta block, then the x block at the new eta: 2 rounds per iteration
+            "overhead_per_round": (med["flower"]["per_iteration"] - med["single"]["per_iteration"]) / 2,
             "params_max_abs_diff": float(np.max(np.abs(params["flower"] - params["single"]))),
+            "ratio_per_iteration_simultaneous": med[sim["flower"]]["per_iteration"]
+            / med[sim["single"]]["per_iteration"],
+            "overhead_per_round_simultaneous": med[sim["flower"]]["per_iteration"]
+            - med[sim["single"]]["per_iteration"],
+            "params_max_abs_diff_simultaneous": float(np.max(np.abs(params[sim["flower"]] - params[sim["single"]]))),
             "fedavg_round": statistics.median(fedavg_rounds), "fedavg_rounds": fedavg_rounds}
 
 
@@ -476,6 +484,10 @@ def ratio_rows(res: dict) -> list[tuple[str, str, float, str, str]]:
                   _verdict(f["ratio_raw"], 1.2)),
                  ("d-iter", "Flower simulation / single node, per iteration (no start-up)",
                   f["ratio_per_iteration"], "<= 1.2", _verdict(f["ratio_per_iteration"], 1.2))]
+        if "ratio_per_iteration_simultaneous" in f:
+            rows.append(("d-iter-sim", "the same with block-order=simultaneous (one round per iteration instead of "
+                         "two; ALGORITHMS.md 3.4)", f["ratio_per_iteration_simultaneous"], "<= 1.2",
+                         _verdict(f["ratio_per_iteration_simultaneous"], 1.2)))
         if "fedavg_round" in f:
             rows.append(("d-floor", "seconds Flower adds per round to ours / a round of Flower's own FedAvg on "
                          "the same simulation (no training)", f["overhead_per_round"] / f["fedavg_round"], "-",
@@ -549,7 +561,9 @@ def render(res: dict) -> str:
             f"reproducible. Runs (in this order): "
             + "; ".join(f"{k} " + ", ".join(f"wall {r['wall']:.1f} s / {r['per_iteration']:.3f} s per iteration"
                                            for r in v) for k, v in f["runs"].items())
-            + f". Final parameters of the two transports differ by at most {f['params_max_abs_diff']:.2e}.",
+            + f". Final parameters of the two transports differ by at most {f['params_max_abs_diff']:.2e}"
+            + (f" (block-order=simultaneous: {f['params_max_abs_diff_simultaneous']:.2e})"
+               if "params_max_abs_diff_simultaneous" in f else "") + ".",
         ]
     lines += ["", "## Step time and peak memory against batch size and model (f)", "",
               "Refresh step (torch.func per-record gradients), each configuration in a fresh process; peak memory "
@@ -619,6 +633,10 @@ def _notes(res: dict) -> list[str]:
                        + (f" Flower's own FedAvg, which trains nothing, took {f['fedavg_round']:.3f} s per round "
                           f"(median of {len(f['fedavg_rounds'])}) on the same simulation in this run."
                           if "fedavg_round" in f else ""))
+        if f.get("ratio_per_iteration_simultaneous", 0.0) > 1.2:
+            out.append(f"- (d-iter-sim) = {f['ratio_per_iteration_simultaneous']:.3f} > 1.2: with one round per "
+                       f"iteration Flower adds {f['overhead_per_round_simultaneous']:.3f} s per round to a "
+                       f"single-node iteration of {f['median']['single-simultaneous']['per_iteration']:.3f} s.")
     if "flower_error" in res:
         out.append("- (d) not measured: the Flower simulation failed in this run: `"
                    + " ".join(res["flower_error"].split()) + "`")

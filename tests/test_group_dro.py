@@ -50,21 +50,23 @@ def cfg_of(tmp_path, **kw) -> Config:
     return Config.from_mapping(values)
 
 
-def reference(data, cfg, weights_and_dual, dual0, by_attribute=False):
+def reference(data, cfg, weights_and_dual, dual0, by_attribute=False, lagged=False):
     """x after cfg.iterations exact steps x <- x - lr (1/n) sum_i w_{g_i} grad l_i, w from the exact group mean
-    losses (clamped at B) and the exact group frequencies; groups = the classes, or the attribute."""
+    losses (clamped at B) and the exact group frequencies; groups = the classes, or the attribute. lagged: the
+    weights of step t come from the losses at x_{t-1} (block-order=simultaneous; 1 at the first step)."""
     model = FlatModel(make_model("cnn", K, cfg.seed, torch.float64))
     groups = data.groups if by_attribute else data.y
     x, y, k_groups = model.initial().clone(), groups.numpy(), (G if by_attribute else K)
     counts = np.bincount(y, minlength=k_groups).astype(float)
     pi = counts / counts.sum()
-    dual = dual0
+    dual, w_next = dual0, np.ones(k_groups)
     for _ in range(cfg.iterations):
         xx = x.detach().requires_grad_(True)
         losses = model.losses(xx, data.x, data.y)
         clamped = np.minimum(losses.detach().numpy(), cfg.loss_bound)
         lk = np.array([clamped[y == k].mean() for k in range(k_groups)])
-        w, dual = weights_and_dual(lk, pi, dual)
+        w_now, dual = weights_and_dual(lk, pi, dual)
+        w, w_next = (w_next, w_now) if lagged else (w_now, None)
         (g,) = torch.autograd.grad((torch.as_tensor(w)[groups] * losses).mean(), xx)
         x = x.detach() - cfg.lr_x * g
     return x.numpy()
@@ -87,6 +89,50 @@ def test_group_double_spider_full_batch_is_gradient_descent_on_the_group_kl_dro(
     cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **{"lambda": 0.7, "weight-cap": cap})
     expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0)
     np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
+
+
+def _counting(transport):
+    """The transport, with the number of queries of each round it answers appended to its ``calls``."""
+    transport.calls, run_round = [], transport.run
+    transport.run = lambda queries, versions: transport.calls.append(len(queries)) or run_round(queries, versions)
+    return transport
+
+
+def test_group_double_spider_simultaneous_uses_the_previous_release_weights_in_one_round(tmp_path):
+    """block-order=simultaneous (ALGORITHMS.md 3.4): the x step at x_t with the weights from the losses at x_{t-1}
+    (1 at t = 0), both releases in one round; its events are those of the sequential order."""
+    data = tiny_data()
+    keys = {"lambda": 0.7, "weight-cap": 1.5}
+    cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **keys, **{"block-order": "simultaneous"})
+    expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0, lagged=True)
+    transport = _counting(LocalTransport(cfg, data))
+    np.testing.assert_allclose(train(cfg, transport, data).params, expected, rtol=1e-7, atol=1e-9)
+    assert transport.calls == [1] + [2] * cfg.iterations  # the group-prior histogram's round, then T rounds
+    sequential = cfg_of(tmp_path / "seq", algorithm="dp-double-spider", psi="kl", **keys)
+    seq_transport = _counting(LocalTransport(sequential, data))
+    train(sequential, seq_transport, data)
+    assert seq_transport.calls == [1] + [1] * (2 * cfg.iterations)
+
+    def mechanisms(folder):
+        return sorted(json.loads(line)["mechanism"] for line in open(folder / "events.jsonl"))
+    assert mechanisms(tmp_path / "run") == mechanisms(tmp_path / "seq" / "run")
+
+
+def test_group_recursive_spider_simultaneous_uses_the_previous_release_weights(tmp_path):
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **{"lambda-init": 0.8, "lr-lambda": 0.3, "rho": 0.2,
+                                                           "block-order": "simultaneous"})
+
+    def step(lk, pi, lam):
+        g = np.exp((lk - cfg.loss_bound) / lam)
+        s = float(np.dot(pi, g))
+        z = math.log(s) + cfg.rho + float(np.dot(pi * g / s, cfg.loss_bound - lk)) / lam
+        return g / s, min(max(lam - cfg.lr_lambda * z, cfg.lambda0), cfg.lambda_max)
+
+    expected = reference(data, cfg, step, cfg.lambda_init, lagged=True)
+    transport = _counting(LocalTransport(cfg, data))
+    np.testing.assert_allclose(train(cfg, transport, data).params, expected, rtol=1e-7, atol=1e-9)
+    assert transport.calls == [1] + [2] * cfg.iterations
 
 
 def test_group_double_spider_over_a_declared_group_attribute(tmp_path):

@@ -23,6 +23,11 @@ iterate x_tau with tau drawn uniformly from {0..T-1} by a public coin before tra
 
 Stages: 0 = eta block (needs x_t, x_{t-1}), 1 = x block. Model version id k is the iterate x_k.
 
+block-order=simultaneous (ALGORITHMS.md 3.4): the x block is evaluated at (x_t, eta_t) and its difference
+against (x_{t-1}, eta_{t-1}), the points of the eta block, so both releases go out in one round (stage 0 only);
+the releases, clips and sensitivities are those above with eta_{t+1} replaced by eta_t (Jacobi instead of
+Gauss-Seidel order).
+
 dro-clip=weight-after-clip (ALGORITHMS.md 5.4) replaces the per-record x quantity clip_C(w grad l) by
 w~ clip_C(grad l), w~ the weight of the loss clamped at the public bound B: the weights survive clipping. Its
 refresh clips at (and adds noise for) the sensitivity C W_t, W_t = psi*'((B - G eta_{t+1}) / lambda) the public
@@ -163,24 +168,36 @@ class DoubleSpider(Algorithm):
     def _diff_clip(self, dx: float, deta: float) -> float:
         return self.cfg.clip(min(self.cfg.clip_diff * math.hypot(dx, deta), self.cfg.clip_diff_max))
 
-    def queries(self, state: DoubleSpiderState) -> list[Query]:
+    @property
+    def simultaneous(self) -> bool:
+        """block-order=simultaneous: both blocks at (x_t, eta_t), one round per iteration (ALGORITHMS.md 3.4)."""
+        return self.cfg.block_order == "simultaneous"
+
+    def _eta_query(self, state: DoubleSpiderState) -> Query:
         c, t = self.cfg, state.t
-        refresh = t % c.q == 0
-        if state.stage == 0:
-            if refresh:
-                return [Query(t, "eta-refresh", "dual-eta", (Point(t, state.eta),), self.rate(c.refresh_batch),
-                              c.clip(self.eta_clip(state.eta)), 1)]
-            dx = float(np.linalg.norm(state.x - state.x_prev))
-            clip = self._diff_clip(dx, state.eta - state.eta_prev)
-            return [Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
-                          self.rate(c.diff_batch), clip, 1)]
-        if refresh:
-            return [self._x_query(t, "x-refresh", (Point(t, state.eta_next),), self.rate(c.refresh_batch),
-                                  c.clip(c.clip_x))]
+        if t % c.q == 0:
+            return Query(t, "eta-refresh", "dual-eta", (Point(t, state.eta),), self.rate(c.refresh_batch),
+                         c.clip(self.eta_clip(state.eta)), 1)
         dx = float(np.linalg.norm(state.x - state.x_prev))
-        clip = self._diff_clip(dx, state.eta_next - state.eta)
-        return [self._x_query(t, "x-diff", (Point(t, state.eta_next), Point(t - 1, state.eta)),
-                              self.rate(c.diff_batch), clip)]
+        clip = self._diff_clip(dx, state.eta - state.eta_prev)
+        return Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
+                     self.rate(c.diff_batch), clip, 1)
+
+    def _x_block_query(self, state: DoubleSpiderState, eta: float, eta_prev: float) -> Query:
+        """The x block's release at (x_t, eta), its difference against (x_{t-1}, eta_prev)."""
+        c, t = self.cfg, state.t
+        if t % c.q == 0:
+            return self._x_query(t, "x-refresh", (Point(t, eta),), self.rate(c.refresh_batch), c.clip(c.clip_x))
+        dx = float(np.linalg.norm(state.x - state.x_prev))
+        return self._x_query(t, "x-diff", (Point(t, eta), Point(t - 1, eta_prev)), self.rate(c.diff_batch),
+                             self._diff_clip(dx, eta - eta_prev))
+
+    def queries(self, state: DoubleSpiderState) -> list[Query]:
+        if self.simultaneous:
+            return [self._eta_query(state), self._x_block_query(state, state.eta, state.eta_prev)]
+        if state.stage == 0:
+            return [self._eta_query(state)]
+        return [self._x_block_query(state, state.eta_next, state.eta)]
 
     def apply(self, state: DoubleSpiderState, released: dict[str, np.ndarray]) -> DoubleSpiderState:
         c = self.cfg
@@ -192,13 +209,14 @@ class DoubleSpider(Algorithm):
                 s.a = state.a + float(released["eta-diff"][0])
             s.eta_next = state.eta - c.lr_eta * s.a
             s.stage = 1
-            return s
+            if not self.simultaneous:
+                return s
         b = released["x-refresh"] if "x-refresh" in released else state.b + released["x-diff"]
         if state.t == state.tau:
             s.x_out, s.eta_out = state.x.copy(), state.eta
         s.b = b
         s.x_prev, s.x = state.x, state.x - c.lr_x * b
-        s.eta_prev, s.eta = state.eta, state.eta_next
+        s.eta_prev, s.eta = state.eta, s.eta_next
         s.t, s.stage = state.t + 1, 0
         return s
 

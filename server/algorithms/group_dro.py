@@ -35,6 +35,10 @@ Each iteration makes two releases in two rounds, both over independent Poisson b
      C_max): the weights change between the two points, and both bounds are public.
      x_{t+1} = x_t - lr-x b_t.
 
+block-order=simultaneous (ALGORITHMS.md 3.4): stage 1's release at x_t uses the weights w_t computed from release
+t - 1 (w_0 = 1) and goes out with stage 0's release at x_t in one round; the weights from release t are used at
+x_{t+1}. Same releases and clips, one round per iteration instead of two.
+
 Every per-record vector has a public clip, so each release is a Poisson-subsampled Gaussian mechanism in the
 ledger like the record-level releases; the group losses cost a K-dimensional release per iteration.
 """
@@ -179,10 +183,25 @@ class GroupDro(Algorithm):
         return Query(t, "x-diff", "group-weighted-grad", (Point(t, 0.0), Point(t - 1, 1.0)),
                      self.rate(c.diff_batch), clip, self.dim, extra=extra)
 
+    @property
+    def simultaneous(self) -> bool:
+        """block-order=simultaneous: the x block at x_t with the weights w_t of release t - 1, sent in the same
+        round as the group-loss release at x_t (one round per iteration; w_0 = 1, ERM's first step)."""
+        return self.cfg.block_order == "simultaneous"
+
     def queries(self, state: GroupState) -> list[Query]:
+        if self.simultaneous:
+            return [self.loss_query(state), self.x_query(state)]
         return [self.loss_query(state)] if state.stage == 0 else [self.x_query(state)]
 
     def apply(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
+        if self.simultaneous:  # the x step with the weights it was evaluated at, then the next weights
+            s = self._x_step(state, released)
+            after = self.absorb_losses(state, released)
+            w, dual = self.weights(after, self.group_losses(after, after.m_avg))
+            s.m, s.m_avg, s.s = after.m, after.m_avg, after.s
+            s.w_prev, s.w, s.dual_prev, s.dual = state.w, w, state.dual, dual
+            return s
         if state.stage == 0:
             s = self.absorb_losses(state, released)
             w, dual = self.weights(s, self.group_losses(s, s.m_avg))
@@ -191,6 +210,10 @@ class GroupDro(Algorithm):
             s.w, s.dual_prev, s.dual = w, state.dual, dual
             s.stage = 1
             return s
+        return self._x_step(state, released)
+
+    def _x_step(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
+        """x_{t+1} = x_t - lr-x b_t from the x release; t + 1, stage 0."""
         s = dataclasses.replace(state)
         s.b = released["x-refresh"] if "x-refresh" in released else state.b + released["x-diff"]
         s.x_prev, s.x = state.x, state.x - self.cfg.lr_x * s.b

@@ -192,13 +192,18 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 LEGACY_DEFAULTS = {"delta": f"auto: {LEGACY_DELTA}", "accountant": "rdp"}
 # Keys that say where a run's files are, not what it computes (beside the engine's runtime keys).
 _PATH_KEYS = frozenset({"data-root", "cache-dir"})
+# Keys added after runs were published, with the value that computes what every run made before them computed: left
+# out of the fingerprint at that value, so that adding a key does not orphan the published rows (a sweep of
+# 2026-12-04 dropped every carried row when block-order joined the configuration).
+KEYS_ADDED_LATER = {"block-order": "sequential"}
 
 
 def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
     """16 hex digits of SHA-256 over the keys that decide what a run computes: every configuration key (seed
     included) except the runtime ones (``engine.RUNTIME_KEYS``: out-dir, threads, eval-every, ...) and the data
     paths, as sorted JSON of the validated Config, with the 'auto' values whose meaning is a rule resolved: the
-    logit-adjustment tau (``Config.tau``) and delta (``ledger.AUTO_DELTA_RULE``, the rule of today's code).
+    logit-adjustment tau (``Config.tau``) and delta (``ledger.AUTO_DELTA_RULE``, the rule of today's code), and
+    without the ``KEYS_ADDED_LATER`` that hold the value reproducing the runs made before them.
     ``legacy``: the fingerprint the same keys had under LEGACY_DEFAULTS (runs before 2026-12-02, whose files set
     neither delta nor the accountant). Two runs with the same fingerprint are the same experiment; the code version
     itself is not in it (a change of what a configuration computes must be followed by new runs, ``dpdro report
@@ -212,6 +217,9 @@ def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
 
     keys = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS and k not in _PATH_KEYS}
     keys["logit-adjust-tau"] = cfg.tau
+    for key, before in KEYS_ADDED_LATER.items():
+        if keys.get(key) == before:
+            del keys[key]
     if keys["delta"] == AUTO:
         keys["delta"] = f"auto: {AUTO_DELTA_RULE}"
     if legacy:

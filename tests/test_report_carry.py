@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dpdro.common.config import Config
+from dpdro.common.config import FIELD_BY_KEY, Config
 from dpdro.simulations import sweep
 from dpdro.simulations.tune import write_toml
 
@@ -213,3 +213,24 @@ def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reporte
         Path(d).rename(d + ".old")  # what the error tells the user to do
     assert sweep.run_sweep("carry", root, tuned_folder=configs / "tuned")["done"] == 2
     assert sorted((c.algorithm, c.lr_x) for c in started) == [("dp-sgd-la", 7.5)] * 2
+
+
+def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configuration(tmp_path):
+    """docs/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
+    without run directories (here: none at all), i.e. its config_sha is the fingerprint of what the checked-in
+    tuned files plan for its cell. Adding a configuration key without KEYS_ADDED_LATER, or changing a tuned file
+    without new runs, breaks this."""
+    published = Path(__file__).resolve().parent.parent / "docs" / "results.csv"
+    with open(published, newline="") as f:
+        cells = {sweep._cell(r) for r in csv.DictReader(f)}
+    planned = sweep.plan_runs(sweep.PROFILES["tuned"], tmp_path)
+    carried = {sweep._cell(r) for r in sweep.carried_rows(published, planned, [])}
+    assert len(cells) > 100 and carried == cells, sorted(cells - carried)[:5]
+
+
+def test_a_key_added_later_counts_only_away_from_its_old_behaviour():
+    base = Config.from_mapping({"algorithm": "dp-double-spider"})
+    for key, before in sweep.KEYS_ADDED_LATER.items():
+        assert base.to_dict()[key] == before  # the default is the old behaviour
+        other = next(v for v in FIELD_BY_KEY[key].choices if v != before)
+        assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates({key: other}))

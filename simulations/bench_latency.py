@@ -143,12 +143,18 @@ RELEASES_PER_ROUND = {"sequential": 1, "simultaneous": 2}
 
 def _round_seconds(out_dir: Path, order: str = "sequential") -> tuple[int, float, float]:
     """(message rounds, training-loop seconds without the two evaluations, seconds per round) of a run."""
-    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
     summary = json.loads((out_dir / "summary.json").read_text())
     rounds = sum(summary["releases"].values()) // RELEASES_PER_ROUND[order]
-    eval_s = float(rows[0]["wall_seconds"])  # the first row is the evaluation of the initial model
-    loop_s = float(rows[-1]["wall_seconds"]) - 2 * eval_s
+    loop_s = _loop_seconds(out_dir)
     return rounds, loop_s, loop_s / rounds
+
+
+def _loop_seconds(out_dir: Path) -> float:
+    """Training-loop seconds of a run from its metrics.csv, without its two evaluations (the first row is the
+    evaluation of the initial model; the last one's is taken to cost the same)."""
+    rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
+    eval_s = float(rows[0]["wall_seconds"])
+    return float(rows[-1]["wall_seconds"]) - 2 * eval_s
 
 
 def _single_node_seconds(cfg) -> float:
@@ -158,9 +164,7 @@ def _single_node_seconds(cfg) -> float:
     from dpdro.server.engine import train
 
     train(cfg, LocalTransport(cfg, load_from_config(cfg, train=True)), load_from_config(cfg, train=False))
-    rows = list(csv.DictReader(open(Path(cfg.out_dir) / "metrics.csv")))
-    eval_s = float(rows[0]["wall_seconds"])
-    return (float(rows[-1]["wall_seconds"]) - 2 * eval_s) / cfg.iterations
+    return _loop_seconds(Path(cfg.out_dir)) / cfg.iterations
 
 
 def containers_main(args, argv) -> int:

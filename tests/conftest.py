@@ -20,6 +20,14 @@ SMALL = {
 }
 
 
+def counting(transport):
+    """The transport, with the number of queries of each round it answers appended to its ``calls`` (how many
+    message rounds an algorithm makes, and how many releases each carries)."""
+    transport.calls, run_round = [], transport.run
+    transport.run = lambda queries, versions: transport.calls.append(len(queries)) or run_round(queries, versions)
+    return transport
+
+
 @pytest.fixture(scope="session")
 def flower_superlink():
     """Lets Flower tests share the simulation SuperLink that run_simulation(keep_superlink=True) started in

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import counting
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,12 +119,9 @@ def test_double_spider_simultaneous_full_batch_is_simultaneous_gradient_descent(
         xx, e = x.detach().requires_grad_(True), eta.clone().requires_grad_(True)
         gx, ge = torch.autograd.grad(dual_loss(full_losses(model, xx, data), e, psi, 1.5, 2.0).mean(), (xx, e))
         x, eta = x - cfg.lr_x * gx, eta - cfg.lr_eta * ge
-    transport = LocalTransport(cfg, data)
-    calls = []
-    run_round = transport.run
-    transport.run = lambda queries, versions: calls.append(len(queries)) or run_round(queries, versions)
+    transport = counting(LocalTransport(cfg, data))
     np.testing.assert_allclose(train(cfg, transport, data).params, x.detach().numpy(), rtol=1e-9, atol=1e-11)
-    assert calls == [2] * cfg.iterations
+    assert transport.calls == [2] * cfg.iterations
     sequential = run(full_batch_cfg(tmp_path / "seq", **keys), data).params
     assert np.abs(sequential - x.detach().numpy()).max() > 1e-6  # the orders differ: the test can tell them apart
 

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import counting
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import brentq
@@ -91,13 +92,6 @@ def test_group_double_spider_full_batch_is_gradient_descent_on_the_group_kl_dro(
     np.testing.assert_allclose(train(cfg, LocalTransport(cfg, data), data).params, expected, rtol=1e-7, atol=1e-9)
 
 
-def _counting(transport):
-    """The transport, with the number of queries of each round it answers appended to its ``calls``."""
-    transport.calls, run_round = [], transport.run
-    transport.run = lambda queries, versions: transport.calls.append(len(queries)) or run_round(queries, versions)
-    return transport
-
-
 def test_group_double_spider_simultaneous_uses_the_previous_release_weights_in_one_round(tmp_path):
     """block-order=simultaneous (ALGORITHMS.md 3.4): the x step at x_t with the weights from the losses at x_{t-1}
     (1 at t = 0), both releases in one round; its events are those of the sequential order."""
@@ -105,11 +99,11 @@ def test_group_double_spider_simultaneous_uses_the_previous_release_weights_in_o
     keys = {"lambda": 0.7, "weight-cap": 1.5}
     cfg = cfg_of(tmp_path, algorithm="dp-double-spider", psi="kl", **keys, **{"block-order": "simultaneous"})
     expected = reference(data, cfg, kl_double_spider_weights(cfg), 0.0, lagged=True)
-    transport = _counting(LocalTransport(cfg, data))
+    transport = counting(LocalTransport(cfg, data))
     np.testing.assert_allclose(train(cfg, transport, data).params, expected, rtol=1e-7, atol=1e-9)
     assert transport.calls == [1] + [2] * cfg.iterations  # the group-prior histogram's round, then T rounds
     sequential = cfg_of(tmp_path / "seq", algorithm="dp-double-spider", psi="kl", **keys)
-    seq_transport = _counting(LocalTransport(sequential, data))
+    seq_transport = counting(LocalTransport(sequential, data))
     train(sequential, seq_transport, data)
     assert seq_transport.calls == [1] + [1] * (2 * cfg.iterations)
 
@@ -130,7 +124,7 @@ def test_group_recursive_spider_simultaneous_uses_the_previous_release_weights(t
         return g / s, min(max(lam - cfg.lr_lambda * z, cfg.lambda0), cfg.lambda_max)
 
     expected = reference(data, cfg, step, cfg.lambda_init, lagged=True)
-    transport = _counting(LocalTransport(cfg, data))
+    transport = counting(LocalTransport(cfg, data))
     np.testing.assert_allclose(train(cfg, transport, data).params, expected, rtol=1e-7, atol=1e-9)
     assert transport.calls == [1] + [2] * cfg.iterations
 

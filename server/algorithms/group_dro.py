@@ -196,21 +196,21 @@ class GroupDro(Algorithm):
 
     def apply(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
         if self.simultaneous:  # the x step with the weights it was evaluated at, then the next weights
-            s = self._x_step(state, released)
-            after = self.absorb_losses(state, released)
-            w, dual = self.weights(after, self.group_losses(after, after.m_avg))
-            s.m, s.m_avg, s.s = after.m, after.m_avg, after.s
-            s.w_prev, s.w, s.dual_prev, s.dual = state.w, w, state.dual, dual
-            return s
+            return self._reweighted(self._x_step(self.absorb_losses(state, released), released), state)
         if state.stage == 0:
-            s = self.absorb_losses(state, released)
-            w, dual = self.weights(s, self.group_losses(s, s.m_avg))
-            if state.t > 0:
-                s.w_prev = state.w
-            s.w, s.dual_prev, s.dual = w, state.dual, dual
+            s = self._reweighted(self.absorb_losses(state, released), state)
             s.stage = 1
             return s
         return self._x_step(state, released)
+
+    def _reweighted(self, s: GroupState, before: GroupState) -> GroupState:
+        """``s`` with the weights and dual value from its group-loss estimate; the weights of ``before`` become the
+        previous ones (from iteration 1 on; at 0 they stay 1)."""
+        w, dual = self.weights(s, self.group_losses(s, s.m_avg))
+        if before.t > 0:
+            s.w_prev = before.w
+        s.w, s.dual_prev, s.dual = w, before.dual, dual
+        return s
 
     def _x_step(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
         """x_{t+1} = x_t - lr-x b_t from the x release; t + 1, stage 0."""

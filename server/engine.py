@@ -194,9 +194,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     wall_before = 0.0
     start = time.perf_counter()
     if resume:
-        state, rows, wall_before, setup = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
-        _note(progress, f"resuming {rd.path} at iteration {state.t} of {cfg.iterations} (epsilon spent so far "
-                        f"{ledger.epsilon_spent():.4f})")
+        state, rows, wall_before, setup, lost = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
     else:
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         write_json(rd.config, meta_config)
@@ -216,7 +214,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
                                     "metrics": rows, "wall_seconds": wall(), "noise": noise,
                                     "setup": setup.to_json(), "server_view": releaser.server_ledger.state(),
-                                    "noise_monitor": releaser.monitor.state()})
+                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count()})
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
@@ -232,6 +230,12 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         # checkpoints before the server view was a Ledger hold only its (rate, z) counts
         releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
         releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
+        charged = charge_lost_releases(lost, ledger, releaser.server_ledger, cfg, state.t)
+        if charged:
+            log.warning("%s", charged)
+            progress.on_note(charged)
+        _note(progress, f"resuming {rd.path} at iteration {state.t} of {cfg.iterations} (epsilon spent so far "
+                        f"{ledger.epsilon_spent():.4f})")
     progress.on_start(state.t)
     if not rows:
         rows.append(eval_row())
@@ -330,9 +334,40 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
     except (KeyError, TypeError, ValueError) as e:
         raise RunFileError(f"checkpoint {rd.checkpoint} is incomplete ({type(e).__name__}: {e}): it cannot be "
                            "resumed; start again with --overwrite (or in a new out-dir)") from None
-    rd.truncate_events(state.t)
+    lost = rd.journal_since(meta.get("events_covered"), state.t)
     setup = setup_releases.SetupResult.from_json(meta.get("setup", {}))
-    return state, rows, wall_before, setup
+    return state, rows, wall_before, setup, lost
+
+
+def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger, cfg: Config,
+                         checkpoint_t: int) -> str | None:
+    """Charge, on both ledgers, the releases made after the checkpoint a run resumes from (``lost``: events of
+    ``RunDir.journal_since``): they were made, their values may have been seen (evaluation lines, the server in
+    distributed and local noise modes), and the resumed run makes its own releases for those iterations again.
+
+    Returns the note to show when there were any (None otherwise). Raises ResumeError, releasing nothing, when
+    the releases so far plus the rest of the plan would spend more than the target epsilon.
+    """
+    released = [e for e in lost if not e.get("discarded")]
+    for e in released:
+        ledger.record(float(e["rate"]), float(e["noise_multiplier"]))
+    for e in lost:  # what the server saw: 0 (no noise) in central mode
+        server_ledger.record(float(e["rate"]), float(e.get("server_view_multiplier", 0.0)))
+    if not released:
+        return None
+    last = max(e["iteration"] for e in released)
+    span = f"iteration {last}" if last == checkpoint_t else f"iterations {checkpoint_t}-{last}"
+    if ledger.private and ledger.epsilon_if_completed() > ledger.epsilon:
+        raise ResumeError(
+            f"{len(released)} release(s) of {span} were made after the last checkpoint "
+            f"(iteration {checkpoint_t}) by the run that stopped without one; they are charged, and with them "
+            f"finishing the plan would spend epsilon {ledger.epsilon_if_completed():.4f} > target {cfg.epsilon:g} "
+            f"(epsilon already spent: {ledger.epsilon_spent():.4f}). Nothing was released. The checkpoint cannot "
+            "be finished within the budget: start again in a new out-dir (a smaller checkpoint-every bounds what a "
+            "crash costs)")
+    return (f"charged {len(released)} release(s) of {span} made after the last "
+            f"checkpoint (they are not undone by resuming; events.jsonl marks them abandoned): epsilon spent so far "
+            f"{ledger.epsilon_spent():.4f}")
 
 
 def load_run_config(out_dir: str) -> Config:

@@ -359,6 +359,9 @@ class Ledger:
         self.by_name = {m.name: m for m in plan}
         self.spent: Counter = Counter()  # mechanism name -> releases made
         self.extra: Counter = Counter()  # (rate, z) -> releases made beyond the plan
+        # the extra releases with which the rest of the plan was last shown to fit the target (calibration shows it
+        # for none): while ``extra`` equals it, a planned release needs no new epsilon evaluation
+        self._fits_with: Counter = Counter()
 
     @property
     def private(self) -> bool:
@@ -394,7 +397,7 @@ class Ledger:
             self.spent[mechanism] += record
             return
         m = self.by_name.get(mechanism)
-        if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]:
+        if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m] and self._plan_fits():
             self.spent[mechanism] += record
             return
         z = self.noise.get(mechanism, 0.0)
@@ -403,7 +406,22 @@ class Ledger:
             raise PrivacyBudgetExceeded(
                 f"release '{mechanism}' (rate {rate:.6g}, noise multiplier {z:.6g}) would spend epsilon "
                 f"{eps:.4f} > target {self.epsilon:g} at delta {self.delta:.3g}; refused")
-        self.extra[(rate, z)] += record
+        if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]:
+            self.spent[mechanism] += record
+        else:
+            self.extra[(rate, z)] += record
+
+    def _plan_fits(self) -> bool:
+        """True when the releases so far plus the rest of the plan stay within the target, so that a planned
+        release is within budget without evaluating epsilon (composition is monotone). Calibration shows it for
+        the plan alone; after releases beyond the plan (or lost ones charged on resume) it is evaluated once per
+        change of ``extra``."""
+        if self.extra == self._fits_with:
+            return True
+        if self.epsilon_if_completed() > self.epsilon:
+            return False
+        self._fits_with = Counter(self.extra)
+        return True
 
     def epsilon_spent(self) -> float:
         """Epsilon at the run's delta of every release recorded so far (inf in a non-private run)."""
@@ -411,9 +429,21 @@ class Ledger:
             return math.inf
         return epsilon_of(self._counts(), self.delta, self.accountant)
 
+    def epsilon_if_completed(self) -> float:
+        """Epsilon at the run's delta of every release recorded so far plus the rest of the plan (each mechanism's
+        planned count minus its releases so far): what finishing the run would spend (inf if not private). A
+        resumed run whose lost releases (``record``) push this above the target cannot finish within budget."""
+        if not self.private:
+            return math.inf
+        counts = self._counts()
+        for m, planned in self.plan.items():
+            counts[(m.rate, self.noise[m.name])] += max(planned - self.spent[m.name], 0)
+        return epsilon_of(counts, self.delta, self.accountant)
+
     def record(self, rate: float, noise_multiplier: float) -> None:
         """Record one release at (rate, noise multiplier) without any guard: for a ledger that counts what someone
-        has already seen (the server's own view in distributed and local noise modes, where z may be 0)."""
+        has already seen (the server's own view in distributed and local noise modes, where z may be 0), and for
+        releases already made that a resumed run's checkpoint does not include (``RunDir.journal_since``)."""
         self.extra[(rate, noise_multiplier)] += 1
 
     def state(self) -> dict:

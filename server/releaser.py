@@ -106,7 +106,8 @@ class Releaser:
         queries = [self.decorate(q, diagnostics=not setup) for q in raw]
         for q in queries:  # refuse before anything leaves a client if the plan would be overspent
             self.ledger.check(q.mechanism, q.rate)
-        replies = collect_round(self.cfg, self.transport, queries, versions, self._seen_by_server)
+        replies = collect_round(self.cfg, self.transport, queries, versions,
+                                lambda q, got: self._seen_by_server(q, got, discarded=True))
         if self.leak and queries[0].iteration >= self.leak[1]:
             self.leaked += [np.array(r.total) for r in replies[queries[0].qid] if r.partition == self.leak[0]]
         m = self.transport.num_clients
@@ -117,7 +118,7 @@ class Releaser:
             self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
             z = self.ledger.noise_multiplier(q.mechanism)
             mode = self.cfg.noise_mode
-            self._seen_by_server(q, got)
+            seen = self._seen_by_server(q, got)
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
             std = server_noise_std(mode, z, q.sensitivity, m, clients)
             mean = noisy_mean(q, total, std, self.n, rng)
@@ -125,6 +126,8 @@ class Releaser:
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
                      "noise_std_of_mean": z * q.sensitivity / expected}
+            if mode != "central" and seen is not None:
+                event["server_view_multiplier"] = seen
             if mode != "central" and z > 0:
                 event["server_topup_std"] = std
                 bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
@@ -141,14 +144,22 @@ class Releaser:
         self.rd.append_events(events)
         return released
 
-    def _seen_by_server(self, q: Query, replies: list[Reply]) -> None:
-        """Count a set of replies the server has seen (released or discarded) against the server."""
+    def _seen_by_server(self, q: Query, replies: list[Reply], discarded: bool = False) -> float | None:
+        """Count a set of replies the server has seen (released or discarded) against the server; returns the noise
+        multiplier it saw them at (None when there were none). In distributed and local noise modes a discarded
+        attempt's replies are journalled at once (an event marked ``discarded``, no release), so that a resumed
+        run charges them against the server even if the run stops before its next checkpoint."""
         if not replies:
-            return
+            return None
         z = self.ledger.noise_multiplier(q.mechanism) if self.cfg.private else 0.0
         clients = sum(r.clients for r in replies)
-        self.server_ledger.record(q.rate, server_view_multiplier(self.cfg.noise_mode, z, self.transport.num_clients,
-                                                                 clients))
+        seen = server_view_multiplier(self.cfg.noise_mode, z, self.transport.num_clients, clients)
+        self.server_ledger.record(q.rate, seen)
+        if discarded and self.cfg.noise_mode != "central":
+            self.rd.append_events([{"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate,
+                                    "attempt": q.attempt, "clients": clients, "discarded": True,
+                                    "server_view_multiplier": seen}])
+        return seen
 
     def epsilon_against_server(self) -> float:
         """Epsilon against the server itself of every release so far (inf in central mode and when not private)."""

@@ -170,19 +170,38 @@ class RunDir:
         atomic_write_bytes(self.metrics, buf.getvalue().encode())
 
     def append_events(self, events: list[dict]) -> None:
-        """Append ledger events (one JSON object per line); flushed at every call."""
+        """Append ledger events (one JSON object per line) and make them durable (fsync) before returning: the
+        releaser calls this before a round's released values leave it, so events.jsonl is a write-ahead journal of
+        every release made, which a crash cannot erase (``journal_since``)."""
         with open(self.events, "a") as f:
             for e in events:
                 f.write(json.dumps(_jsonable(e), sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
-    def truncate_events(self, upto_iteration: int) -> None:
-        """Keep only the setup events and events of iterations < upto_iteration (used when resuming from a
-        checkpoint)."""
+    def event_count(self) -> int:
+        """Number of complete events in events.jsonl (0 when there is none): what a checkpoint covers."""
+        return len(self.read_events(warn=False)) if self.events.exists() else 0
+
+    def journal_since(self, covered: int | None, iteration: int) -> list[dict]:
+        """The events made after a checkpoint (resuming from it): every event past its first ``covered`` ones, or,
+        for a checkpoint that did not record ``covered``, every training event of an iteration >= ``iteration``.
+        Those releases were made (their values may have been published, e.g. in evaluation lines) but the
+        checkpoint's state does not include them: the caller charges them. The file is rewritten atomically with
+        each of them marked ``"abandoned": true`` (and a torn last line dropped); nothing is removed, so a second
+        crash before the next checkpoint finds them again and charges them again against the same checkpoint."""
         if not self.events.exists():
-            return
-        keep = [json.dumps(e, sort_keys=True) for e in self.read_events()
-                if e["iteration"] < upto_iteration or e.get("phase") == "setup"]
-        atomic_write_bytes(self.events, ("\n".join(keep) + ("\n" if keep else "")).encode())
+            return []
+        events = self.read_events()
+        if covered is None:
+            lost = [i for i, e in enumerate(events) if e["iteration"] >= iteration and e.get("phase") != "setup"]
+        else:
+            lost = list(range(min(int(covered), len(events)), len(events)))
+        for i in lost:
+            events[i] = {**events[i], "abandoned": True}
+        text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in events)
+        atomic_write_bytes(self.events, text.encode())
+        return [events[i] for i in lost]
 
     def read_events(self, warn: bool = True) -> list[dict]:
         """The events of events.jsonl, in order. A torn last line (no newline: an append cut short by a

@@ -32,6 +32,8 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "epsilon_against_server": releaser.epsilon_against_server(),
         **({"max_quantisation_over_noise": releaser.quantisation_ratio} if releaser.quantisation_ratio else {}),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
+        # releases charged outside the plan: those made after a checkpoint by a run that stopped without one
+        "releases_beyond_plan": sum(ledger.extra.values()),
         "eval_split": cfg.eval_split,
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],

@@ -286,6 +286,35 @@ def test_guard_allows_off_plan_release_only_within_target(guard_noise):
     assert other.epsilon_spent() == pytest.approx(led.epsilon_spent(), rel=1e-12)
 
 
+def test_planned_releases_are_checked_once_releases_beyond_the_plan_were_charged(guard_noise):
+    """A release beyond the plan (off-plan rate, or one lost to a crash and charged on resume) used to leave the
+    guard admitting every planned release unchecked, so plan + extras could end above the target. Planned
+    releases are now admitted unchecked only while the rest of the plan still fits with the extras."""
+    led = Ledger(GUARD_PLAN, guard_noise, GUARD_TARGET, DELTA)
+    led.record(0.5, guard_noise["refresh"])  # a refresh lost to a crash, charged on resume
+    assert led.epsilon_if_completed() > GUARD_TARGET
+    charged = 0
+    with pytest.raises(PrivacyBudgetExceeded, match="refused"):
+        for _ in range(3):
+            led.charge("refresh", 0.5)
+            charged += 1
+            led.charge("diff", 0.2)
+            charged += 1
+        led.charge("diff", 0.2)
+        charged += 1
+    assert charged < 7  # the plan's last release(s) no longer fit
+    assert led.epsilon_spent() <= GUARD_TARGET
+    # with room to spare (a tiny extra), the plan still fits and is admitted as before
+    roomy = Ledger(GUARD_PLAN, guard_noise, GUARD_TARGET * 1.5, DELTA)
+    roomy.record(0.5, guard_noise["refresh"])
+    for _ in range(3):
+        roomy.charge("refresh", 0.5)
+        roomy.charge("diff", 0.2)
+    roomy.charge("diff", 0.2)
+    assert roomy.spent == {"refresh": 3, "diff": 4} and roomy.extra == {(0.5, guard_noise["refresh"]): 1}
+    assert roomy.epsilon_spent() == pytest.approx(roomy.epsilon_if_completed(), rel=1e-12)
+
+
 def test_non_private_ledger_never_refuses():
     led = Ledger(GUARD_PLAN, {"refresh": 0.0, "diff": 0.0}, math.inf, DELTA)
     assert not led.private

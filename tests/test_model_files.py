@@ -426,8 +426,8 @@ def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file
     terms = scan(list(c.models), taus)
     assert c.chosen == taus[choose_by_terms(terms)] and c.chosen_terms == terms[taus.index(c.chosen)]
     assert c.previous == 1.0 and c.previous_terms == terms[2]
-    written = tomllib.loads(path.read_text())
-    assert written == {**keys, "posthoc-tau": c.chosen}
+    written = tomllib.loads(path.read_text())  # the choice is marked: a run of the file lists it as not accounted
+    assert written == {**keys, "posthoc-tau": c.chosen, "chosen-on-private-data": "posthoc-tau"}
     lines = path.read_text().splitlines()
     assert lines[0] == "# Transferred by a test. Nothing of this data set chose these keys but posthoc-tau (below)."
     assert lines[1].startswith(f"# {RECHOSEN_MARK} on overlap-3's validation split by `dpdro tune")

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..common import image_folder, tabular_data
 from ..common.config import Config, ConfigError, keys_with_role
-from ..common.data import ArrayDataset, DataError, load_from_config
+from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
 from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
@@ -122,8 +122,8 @@ def _is_data_root(cfg: Config, path: Path) -> bool:
 def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, spec: ModelSpec | None = None,
               ) -> Records:
     """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
-    override that is not a data key or a bad value, DataError naming the file, line or folder when the files are
-    missing or malformed."""
+    override that is not a data key or a bad value, or 'validation' for a run that held none out; DataError naming
+    the file, line or folder when the files are missing or malformed."""
     if isinstance(data, ArrayDataset):
         return Records(data.x, data.y.numpy(), None if data.groups is None else data.groups.numpy(),
                        data.num_groups)
@@ -131,6 +131,10 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
         raise ValueError(f"data must be 'test', 'train', 'validation', a path or dpdro.records(...); got "
                          f"{type(data).__name__}")
     cfg = _run_config(run_dir, overrides)
+    if str(data) == "validation" and not cfg.validation_fraction > 0 and not _own_validation(cfg.dataset):
+        raise ConfigError(f"--data validation: the run held out no validation split (its validation-fraction is "
+                          f"{cfg.validation_fraction:g} and {cfg.dataset} has none of its own); allowed: 'test', "
+                          "'train', or a run trained with validation-fraction > 0")
     if str(data) in SPLITS:
         ds = load_from_config(cfg, SPLITS[str(data)])
         return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
@@ -150,6 +154,11 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
         return Records(torch.from_numpy(x), y, g, num_groups, [f"{path.name}:{line}" for line in lines])
     x, y, sources = image_folder.read_for_prediction(path, options, spec.classes)
     return Records(x, y, sources=sources)
+
+
+def _own_validation(dataset: str) -> bool:
+    """Whether data set ``dataset`` has a validation split of its own (CelebA)."""
+    return dataset in DATASETS and DATASETS[dataset].own_validation
 
 
 def _spec(run_dir):

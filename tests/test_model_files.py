@@ -265,6 +265,9 @@ def test_predict_and_evaluate_on_private_splits_say_not_private_and_write_only_t
                                                                                               False]
     assert main(["predict", "--run", str(run), "--data", "train", "--out", str(tmp_path)]) == 2
     assert f"--out {tmp_path}: is a folder; allowed: the path of the file to write" in capsys.readouterr().err
+    assert main(["evaluate", "--run", str(run), "--data", "validation"]) == 2  # it held none out
+    assert ("--data validation: the run held out no validation split (its validation-fraction is 0 and overlap-3 "
+            "has none of its own)") in capsys.readouterr().err
 
 
 def test_a_run_whose_posthoc_tau_was_chosen_on_private_data_lists_it_as_not_accounted(overlap, tmp_path):

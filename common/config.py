@@ -183,6 +183,8 @@ def __getattr__(name: str) -> tuple[str, ...]:
 
 
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
+# The items of key chosen-on-private-data: choices made on a validation split of the private training records.
+CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
 
 FIELDS: tuple[Field, ...] = (
     # what to run
@@ -415,6 +417,11 @@ FIELDS: tuple[Field, ...] = (
     Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
           "(at least 2 shares): lower tolerates more dropouts, higher resists more colluding nodes.", low=0.0,
           high=1.0, low_open=True, role="privacy"),
+    Field("chosen-on-private-data", "str", "", "What was chosen on a validation split of the private training "
+          "records, comma-separated: 'hyper-parameters' (a search, e.g. dpdro tune), 'model' (the method or "
+          "checkpoint kept for its validation metrics), 'posthoc-tau' (the post-hoc tau); not privacy-accounted, and "
+          "the summary's not_accounted lists each. dpdro tune writes it into the files it produces; computes "
+          "nothing.", role="privacy"),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1, role="data"),
@@ -585,6 +592,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                               f"(got {self.validation_fraction}) or a data set with its own validation split ({own})")
         if self.class_prior == "public" and self.uses_priors:
             self.public_prior()  # raises for a malformed list
+        self.chosen_on_private  # noqa: B018  (raises for an unknown item)
         if ALGORITHM_SPECS[self.algorithm].logit_adjusted and self.tau == 0:
             raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
                               "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
@@ -631,6 +639,18 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         from the released group losses at every iteration (ALGORITHMS.md 3.3): the release would be unused budget."""
         return (self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
                 and not self.group_level)
+
+    @property
+    def chosen_on_private(self) -> tuple[str, ...]:
+        """The items of chosen-on-private-data (sorted, each once; () for ''). Raises ConfigError for an item not
+        in CHOSEN_ON_PRIVATE."""
+        items = {s.strip() for s in self.chosen_on_private_data.split(",")} - {""}
+        unknown = sorted(items - set(CHOSEN_ON_PRIVATE))
+        if unknown:
+            raise ConfigError(f"config key 'chosen-on-private-data': got {self.chosen_on_private_data!r} (unknown "
+                              f"{', '.join(map(repr, unknown))}); allowed: '' or comma-separated items of "
+                              f"{', '.join(map(repr, CHOSEN_ON_PRIVATE))}")
+        return tuple(sorted(items))
 
     def public_prior(self) -> list[float]:
         """class-prior-values as non-negative floats; raises ConfigError if empty, malformed or all zero."""

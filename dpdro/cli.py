@@ -8,6 +8,8 @@
     dpdro keys                                                every configuration key with default and help
     dpdro predict --run RUN_DIR [--data test|PATH] [--out F]   predictions of the run's model (model.pt) as CSV
     dpdro evaluate --run RUN_DIR [--data test|PATH]           accuracy, worst-class accuracy, confusion matrix PNG
+                                                              (on --data train|validation: "not private (reads
+                                                              private records)", nothing written without --out)
     dpdro export --run RUN_DIR [--format onnx] [--out F]      the model as ONNX (optional extra dpdro[onnx])
     dpdro tune --dataset D [--epsilon E] [--trials N]         Optuna search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
@@ -186,21 +188,40 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
-    from dpdro.server.prediction import accuracy, data_label, predict, write_predictions_csv
+def _check_out(args: argparse.Namespace) -> None:
+    """ConfigError naming --out when it is an existing folder (it names the file to write), before any work."""
+    if args.out and Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out}: is a folder; allowed: the path of the file to write")
 
-    p = predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=args.posthoc_tau)
-    out = Path(args.out) if args.out else Path(args.run) / f"predictions_{data_label(args.data)}.csv"
-    write_predictions_csv(p, out)
-    acc = accuracy(p)
-    print(f"{len(p.predicted)} predictions ({args.data}, "
-          + ("unlabelled" if acc is None else f"accuracy {acc:.4f} against its labels") + f") written to {out}")
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """``dpdro predict``: the predictions CSV at --out, else RUN/predictions_<data>.csv; on a private split
+    (train, validation) the line says NOT_PRIVATE and nothing is written without --out."""
+    from dpdro.server import prediction as pr
+
+    _check_out(args)
+    p = pr.predict(args.run, args.data, parse_set_args(args.set or []), posthoc_tau=args.posthoc_tau)
+    acc = pr.accuracy(p)
+    what = (f"{len(p.predicted)} predictions ({args.data}, "
+            + ("unlabelled" if acc is None else f"accuracy {acc:.4f} against its labels") + ")")
+    private = p.privacy == pr.NOT_PRIVATE
+    if private and not args.out:
+        print(f"{what}: {pr.NOT_PRIVATE}; nothing written (the run directory gets nothing derived from private "
+              "records; --out FILE writes them to FILE)")
+        return 0
+    out = Path(args.out) if args.out else Path(args.run) / f"predictions_{pr.data_label(args.data)}.csv"
+    pr.write_predictions_csv(p, out)
+    print(f"{what} written to {out}" + (f"; {pr.NOT_PRIVATE}" if private else ""))
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from dpdro.server.prediction import metrics, predict, write_confusion_png
+    """``dpdro evaluate``: accuracy, worst-class and per-class accuracy and the confusion matrix PNG (--out, else
+    RUN/plots/confusion_<data>.png); on a private split (train, validation) the first line says NOT_PRIVATE and
+    no PNG is written without --out."""
+    from dpdro.server.prediction import NOT_PRIVATE, metrics, predict, write_confusion_png
 
+    _check_out(args)
     taus = args.posthoc_tau or []
     if len(taus) > 1:
         return _evaluate_posthoc_taus(args, taus)
@@ -211,23 +232,34 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     p = predict(run, args.data, parse_set_args(args.set or []), posthoc_tau=taus[0] if taus else None)
     m = metrics(p)
     png = _confusion_path(args, run)
-    write_confusion_png(p, m, png, args.data)
+    if png is not None:
+        write_confusion_png(p, m, png, args.data)
     classes = p.spec.classes
     tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if taus else ""
+    private = f"; {NOT_PRIVATE}" if m["privacy"] == NOT_PRIVATE else ""
     print(f"data {args.data}{tau}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
           f"{m['worst_class_accuracy']:.4f} (class {classes[m['worst_class']]})"
-          + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else ""))
+          + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else "")
+          + private)
     print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
                                                                            strict=True)))
-    print(f"confusion matrix: {png}")
+    print(f"confusion matrix: {png if png is not None else _NOT_WRITTEN}")
     return 0
 
 
-def _confusion_path(args: argparse.Namespace, run: str) -> Path:
-    """Where ``dpdro evaluate`` writes the confusion matrix of ``run``: --out, else RUN/plots/confusion_<data>.png."""
-    from dpdro.server.prediction import data_label
+# What evaluate prints instead of a confusion matrix's path for private records without --out.
+_NOT_WRITTEN = ("not written (derived from private records: the run directory gets nothing of them; --out FILE.png "
+                "writes it to FILE.png)")
 
-    return Path(args.out) if args.out else Path(run) / "plots" / f"confusion_{data_label(args.data)}.png"
+
+def _confusion_path(args: argparse.Namespace, run: str) -> Path | None:
+    """Where ``dpdro evaluate`` writes the confusion matrix of ``run``: --out, else RUN/plots/confusion_<data>.png;
+    None (not written) for a private split (train, validation) without --out."""
+    from dpdro.server.prediction import data_label, reads_private_records
+
+    if args.out:
+        return Path(args.out)
+    return None if reads_private_records(args.data) else Path(run) / "plots" / f"confusion_{data_label(args.data)}.png"
 
 
 def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
@@ -235,8 +267,10 @@ def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
     the tau the tuning score chooses among those with accuracy >= --min-accuracy
     (``simulations.objective.choose_by_terms``); with several runs (e.g. one configuration's seeds) each line is
     the mean of their terms (``mean_terms``, as ``dpdro tune`` scores a candidate over its seeds) and one tau is
-    chosen for them all. Each run's confusion matrix at the chosen tau. Post-processing: no budget spent."""
-    from dpdro.server.prediction import metrics, predict_posthoc_taus, write_confusion_png
+    chosen for them all. Each run's confusion matrix at the chosen tau (on a private split only with --out).
+    Applying a tau is post-processing; choosing it on --data validation (or train) reads private records: the
+    lines say NOT_PRIVATE and how a run of the choice lists it as not accounted."""
+    from dpdro.server.prediction import NOT_PRIVATE, metrics, predict_posthoc_taus, write_confusion_png
     from dpdro.simulations.objective import choose_by_terms, evaluation_terms, mean_terms
 
     if not 0.0 <= args.min_accuracy <= 1.0:
@@ -250,8 +284,10 @@ def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
     terms = [mean_terms([evaluation_terms(r[i], "accuracy") for r in rows]) for i in range(len(taus))]
     unit = "group" if "per_group_accuracy" in rows[0][0] else "class"
     mean = f"mean over {len(args.run)} runs; " if len(args.run) > 1 else ""
+    private = rows[0][0]["privacy"] == NOT_PRIVATE
+    cost = NOT_PRIVATE if private else "no budget"
     print(f"data {args.data}: {rows[0][0]['records']} records; {mean}post-hoc tau on the run's released priors "
-          "(no budget)")
+          f"({cost})")
     for tau, (worst, two_lowest, acc) in zip(taus, terms, strict=True):
         print(f"  tau {tau:g}: accuracy {acc:.4f}, worst-{unit} accuracy {worst:.4f}, two lowest {two_lowest:.4f}")
     chosen = choose_by_terms(terms, args.min_accuracy)
@@ -260,10 +296,15 @@ def _evaluate_posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
         return 1
     pngs = [_confusion_path(args, run) for run in args.run]
     for run_preds, run_rows, png in zip(preds, rows, pngs, strict=True):
-        write_confusion_png(run_preds[chosen], run_rows[chosen], png, args.data)
+        if png is not None:
+            write_confusion_png(run_preds[chosen], run_rows[chosen], png, args.data)
     caution = " (this is the test split: choose on validation, never here)" if args.data == "test" else ""
+    if private:
+        caution = (" (chosen on private records: not accounted; a run with this tau lists it under not_accounted "
+                   "with config key chosen-on-private-data = \"posthoc-tau\")")
+    written = ", ".join(str(png) for png in pngs if png is not None) or _NOT_WRITTEN
     print(f"chosen: tau {taus[chosen]:g} (worst, then the two lowest, then accuracy; among accuracy >= "
-          f"{args.min_accuracy:g}){caution}; confusion matrix: {', '.join(map(str, pngs))}")
+          f"{args.min_accuracy:g}){caution}; confusion matrix: {written}")
     return 0
 
 
@@ -439,7 +480,8 @@ def _tune_posthoc_tau(args: argparse.Namespace, root: Path, configs: Path) -> in
             else:
                 print(f"{ds} eps {args.epsilon:g} {c.method}: posthoc-tau {c.chosen:g} (validation worst "
                       f"{c.chosen_terms[0]:.4f}, two lowest {c.chosen_terms[1]:.4f}, accuracy "
-                      f"{c.chosen_terms[2]:.4f}) instead of {was} -> {c.path}")
+                      f"{c.chosen_terms[2]:.4f}) instead of {was} -> {c.path} (chosen on private records: not "
+                      "accounted; its chosen-on-private-data says so)")
     return 0
 
 
@@ -623,12 +665,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help="run directory with model.pt and model.json; several (e.g. one configuration's "
                                 "seeds) only with several --posthoc-tau values: each tau's figures are their mean")
         s.add_argument("--data", default="test", help="'test' (the split the run evaluated on), 'train', "
-                       "'validation'; records of your own: for a csv run a .csv file (every row, the label column "
+                       "'validation' (private training records: not private, nothing written without --out); "
+                       "records of your own: for a csv run a .csv file (every row, the label column "
                        "optional), for an image-folder run an image, a folder of images (unlabelled) or of class "
                        "sub-folders (labelled); or a data root in the run's data set layout (its test split)")
         s.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="data-key overrides, e.g. max-test-records=0")
         s.add_argument("--out", help="output file (default: RUN_DIR/predictions_<data>.csv for predict, "
-                                     "RUN_DIR/plots/confusion_<data>.png for evaluate)")
+                                     "RUN_DIR/plots/confusion_<data>.png for evaluate; for --data train or "
+                                     "validation none: nothing is written without --out)")
         if name == "predict":
             s.add_argument("--posthoc-tau", type=float, metavar="TAU",
                            help="predict with post-hoc logit adjustment TAU instead of the run's (on the class "
@@ -638,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="evaluate with post-hoc logit adjustment TAU instead of the run's (on the class "
                                 "priors the run released; no budget spent); several values: one line each and the "
                                 "choice of the tuning score (worst class, then the two lowest, then accuracy) among "
-                                "those with accuracy >= --min-accuracy, e.g. to choose TAU on --data validation")
+                                "those with accuracy >= --min-accuracy, e.g. to choose TAU on --data validation (reads "
+                                "private records: that choice is not accounted)")
             s.add_argument("--min-accuracy", type=float, default=0.0, metavar="A",
                            help="with several --posthoc-tau values: choose only among those with accuracy >= A")
     s = sub.add_parser("export", help="a finished run's model as an ONNX file (needs the extra dpdro[onnx])")

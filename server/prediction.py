@@ -15,6 +15,12 @@ Which data (``data``):
 - an ``ArrayDataset`` (Python: ``dpdro.records(x, y, K)``), e.g. for a run of ``dpdro.fit(data=...)``.
 ``overrides`` are further data keys (role 'data' of the configuration schema, e.g. max-test-records=0).
 Unlabelled records can be predicted, not evaluated.
+
+What it costs in privacy (``privacy_statement``, recorded in ``Predictions.privacy`` and ``metrics``): on the
+public test split, a data root's test split or records of your own, post-processing of the released model (no
+privacy cost to the training records); on 'train' or 'validation', the run's private training records themselves,
+"not private (reads private records)": the figures and predictions are exact functions of private records, outside
+the run's epsilon. The CLI writes nothing derived from them into the run directory unless given ``--out``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import nn
 
 from ..common import image_folder, tabular_data
 from ..common.config import Config, ConfigError, keys_with_role
-from ..common.data import ArrayDataset, DataError, load_from_config
+from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
 from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
@@ -38,6 +44,11 @@ from .run_report import confusion_matrix, plot_confusion
 from .rundir import atomic_write_bytes
 
 SPLITS = {"test": "test", "train": "train", "validation": "val"}
+# The splits made of the run's private training records ('validation' is held out of them, or, for a data set with
+# its own validation split, held beside them): reading them is not private.
+PRIVATE_SPLITS = ("train", "validation")
+NOT_PRIVATE = "not private (reads private records)"
+POST_PROCESSING = "post-processing of the released model: no privacy cost"
 # What a path may be besides a data root, per data set of the run: records of your own, read in full.
 RECORD_INPUTS = {"csv": "a .csv file (every row; the label column optional)",
                  "image-folder": "an image, a folder of images (unlabelled) or of class sub-folders (labelled)"}
@@ -67,6 +78,18 @@ class Predictions:
     num_groups: int
     spec: ModelSpec
     sources: list[str] | None = None
+    privacy: str = POST_PROCESSING  # privacy_statement of the records: NOT_PRIVATE for the private splits
+
+
+def reads_private_records(data) -> bool:
+    """Whether ``data`` (a ``predict`` argument) names a split of the run's private training records
+    (PRIVATE_SPLITS: 'train' or 'validation')."""
+    return not isinstance(data, ArrayDataset) and str(data) in PRIVATE_SPLITS
+
+
+def privacy_statement(data) -> str:
+    """What predicting on ``data`` costs in privacy: NOT_PRIVATE for a private split, else POST_PROCESSING."""
+    return NOT_PRIVATE if reads_private_records(data) else POST_PROCESSING
 
 
 def data_label(data) -> str:
@@ -99,8 +122,8 @@ def _is_data_root(cfg: Config, path: Path) -> bool:
 def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, spec: ModelSpec | None = None,
               ) -> Records:
     """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
-    override that is not a data key or a bad value, DataError naming the file, line or folder when the files are
-    missing or malformed."""
+    override that is not a data key or a bad value, or 'validation' for a run that held none out; DataError naming
+    the file, line or folder when the files are missing or malformed."""
     if isinstance(data, ArrayDataset):
         return Records(data.x, data.y.numpy(), None if data.groups is None else data.groups.numpy(),
                        data.num_groups)
@@ -108,6 +131,10 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
         raise ValueError(f"data must be 'test', 'train', 'validation', a path or dpdro.records(...); got "
                          f"{type(data).__name__}")
     cfg = _run_config(run_dir, overrides)
+    if str(data) == "validation" and not cfg.validation_fraction > 0 and not _own_validation(cfg.dataset):
+        raise ConfigError(f"--data validation: the run held out no validation split (its validation-fraction is "
+                          f"{cfg.validation_fraction:g} and {cfg.dataset} has none of its own); allowed: 'test', "
+                          "'train', or a run trained with validation-fraction > 0")
     if str(data) in SPLITS:
         ds = load_from_config(cfg, SPLITS[str(data)])
         return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
@@ -129,6 +156,11 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
     return Records(x, y, sources=sources)
 
 
+def _own_validation(dataset: str) -> bool:
+    """Whether data set ``dataset`` has a validation split of its own (CelebA)."""
+    return dataset in DATASETS and DATASETS[dataset].own_validation
+
+
 def _spec(run_dir):
     from .model_files import read_model_spec
 
@@ -140,26 +172,29 @@ def predict(run_dir: str | Path, data="test", overrides: dict | None = None, *,
     """Predictions of the run's model (model.pt built from model.json, or loaded into ``module``: needed for a
     run of ``dpdro.fit`` with a module object) on ``data`` (module docstring), with the run's post-hoc logit
     adjustment, or with ``posthoc_tau`` instead: argmax(logits - posthoc_tau log pi) with the priors pi the run
-    released (and charged), post-processing that spends no budget (Menon et al. 2021, eq. 8). For the run's own
-    splits the same batches as its evaluation, hence the same predictions. Raises ConfigError (also for a
+    released (and charged; applying a tau is post-processing, Menon et al. 2021, eq. 8). For the run's own
+    splits the same batches as its evaluation, hence the same predictions. ``privacy`` of the result: NOT_PRIVATE
+    on 'train' or 'validation' (module docstring). Raises ConfigError (also for a
     ``posthoc_tau`` that is negative, or non-zero for a run that released no priors), DataError (naming the file,
     line or folder), RunFileError (missing model files)."""
     model, spec = load_model(run_dir, module=module)
     if posthoc_tau is not None:
         spec = with_posthoc_tau(spec, posthoc_tau)
     records, logits = _logits(model, spec, run_dir, data, overrides)
-    return _predictions(logits, records, spec)
+    return _predictions(logits, records, spec, privacy_statement(data))
 
 
 def predict_posthoc_taus(run_dir: str | Path, data, taus: list[float], overrides: dict | None = None, *,
                          module: nn.Module | None = None) -> list[Predictions]:
     """``predict`` at each post-hoc tau of ``taus`` (same order), the model run once over ``data``: the cheap way
-    to choose tau on the validation split (post-processing of the released model with the released priors; no
-    budget spent). Raises as ``predict``, before the model runs, for any tau it would refuse."""
+    to choose tau on the validation split. Applying a tau is post-processing of the released model and priors;
+    choosing it on the validation split reads private training records and is not accounted (each result's
+    ``privacy`` says so; config key chosen-on-private-data lets a run of the choice list it). Raises as
+    ``predict``, before the model runs, for any tau it would refuse."""
     model, spec = load_model(run_dir, module=module)
     specs = [with_posthoc_tau(spec, float(tau)) for tau in taus]
     records, logits = _logits(model, spec, run_dir, data, overrides)
-    return [_predictions(logits, records, s) for s in specs]
+    return [_predictions(logits, records, s, privacy_statement(data)) for s in specs]
 
 
 def _logits(model: nn.Module, spec: ModelSpec, run_dir, data, overrides) -> tuple[Records, torch.Tensor]:
@@ -171,13 +206,14 @@ def _logits(model: nn.Module, spec: ModelSpec, run_dir, data, overrides) -> tupl
     return records, predict_logits(model, records.x, spec.torch_dtype)
 
 
-def _predictions(logits: torch.Tensor, records: Records, spec: ModelSpec) -> Predictions:
-    """Predictions from raw logits with ``spec``'s post-hoc adjustment."""
+def _predictions(logits: torch.Tensor, records: Records, spec: ModelSpec, privacy: str) -> Predictions:
+    """Predictions from raw logits with ``spec``'s post-hoc adjustment; ``privacy``: the records'
+    ``privacy_statement``."""
     shift = spec.prediction_shift
     adjusted = logits if shift is None else logits + torch.as_tensor(shift).to(logits.dtype)
     return Predictions(predict_classes(logits, shift), records.labels,
                        torch.softmax(adjusted.double(), 1).numpy(), records.groups, records.num_groups, spec,
-                       records.sources)
+                       records.sources, privacy)
 
 
 def with_posthoc_tau(spec: ModelSpec, tau: float) -> ModelSpec:
@@ -203,21 +239,26 @@ def accuracy(p: Predictions) -> float | None:
 def write_predictions_csv(p: Predictions, path: Path) -> None:
     """Atomically write one row per record: index, source (file line or image path, for records read from your
     own files), label (class index; only for labelled records), predicted (class index), predicted_class (name)
-    and score_<class> (softmax of the adjusted logits, whose argmax is the prediction)."""
+    and score_<class> (softmax of the adjusted logits, whose argmax is the prediction); for private records
+    (``p.privacy`` NOT_PRIVATE) a last column privacy holding that statement on every row."""
+    private = p.privacy == NOT_PRIVATE
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["index"] + (["source"] if p.sources else []) + (["label"] if p.labels is not None else [])
-               + ["predicted", "predicted_class"] + [f"score_{c}" for c in p.spec.classes])
+               + ["predicted", "predicted_class"] + [f"score_{c}" for c in p.spec.classes]
+               + (["privacy"] if private else []))
     for i in range(len(p.predicted)):
         w.writerow([i] + ([p.sources[i]] if p.sources else [])
                    + ([int(p.labels[i])] if p.labels is not None else [])
-                   + [int(p.predicted[i]), p.spec.classes[p.predicted[i]]] + [f"{s:.6g}" for s in p.scores[i]])
+                   + [int(p.predicted[i]), p.spec.classes[p.predicted[i]]] + [f"{s:.6g}" for s in p.scores[i]]
+                   + ([p.privacy] if private else []))
     atomic_write_bytes(Path(path), buf.getvalue().encode())
 
 
 def metrics(p: Predictions) -> dict:
     """accuracy, per_class_accuracy (NaN for an absent class), worst_class_accuracy, worst_class (index),
-    confusion (K, K) counts, records; with groups also per_group_accuracy and worst_group_accuracy."""
+    confusion (K, K) counts, records, privacy (``p.privacy``: NOT_PRIVATE for the private splits); with groups
+    also per_group_accuracy and worst_group_accuracy."""
     if p.labels is None:
         raise DataError("evaluation needs labels and these records have none (a CSV file without the label "
                         "column, config key csv-label, or a folder of images without class sub-folders): use "
@@ -226,7 +267,8 @@ def metrics(p: Predictions) -> dict:
     per_class = per_class_accuracy(p.predicted, p.labels, k)
     out = {"records": int(len(p.labels)), "accuracy": float((p.predicted == p.labels).mean()),
            "per_class_accuracy": per_class, "worst_class_accuracy": float(np.nanmin(per_class)),
-           "worst_class": int(np.nanargmin(per_class)), "confusion": confusion_matrix(p.labels, p.predicted, k)}
+           "worst_class": int(np.nanargmin(per_class)), "confusion": confusion_matrix(p.labels, p.predicted, k),
+           "privacy": p.privacy}
     if p.groups is not None:
         per_group = per_group_accuracy(p.predicted == p.labels, p.groups, p.num_groups)
         out |= {"per_group_accuracy": per_group, "worst_group_accuracy": float(np.nanmin(per_group))}
@@ -234,13 +276,16 @@ def metrics(p: Predictions) -> dict:
 
 
 def write_confusion_png(p: Predictions, m: dict, path: Path, data: str) -> None:
-    """The confusion matrix of ``metrics`` ``m`` as a PNG at ``path``."""
+    """The confusion matrix of ``metrics`` ``m`` as a PNG at ``path`` (its title says NOT_PRIVATE for private
+    records)."""
+    note = f"; {NOT_PRIVATE}" if p.privacy == NOT_PRIVATE else ""
     plot_confusion(m["confusion"], p.spec.classes, Path(path),
-                   f"confusion matrix, data {data} ({m['records']} records, accuracy {m['accuracy']:.4f})")
+                   f"confusion matrix, data {data} ({m['records']} records, accuracy {m['accuracy']:.4f}{note})")
 
 
 def evaluate(run_dir: str | Path, data="test", overrides: dict | None = None, *,
              module: nn.Module | None = None) -> dict:
     """``metrics`` of the run's model on ``data`` (as ``predict``; labelled records only): accuracy, per-class
-    and worst-class accuracy, the confusion matrix, with groups the worst-group accuracy."""
+    and worst-class accuracy, the confusion matrix, with groups the worst-group accuracy, and privacy (NOT_PRIVATE
+    on 'train' or 'validation'). Writes nothing."""
     return metrics(predict(run_dir, data, overrides, module=module))

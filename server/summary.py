@@ -65,6 +65,8 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
 
 
 def not_accounted(cfg: Config, setup) -> list[str]:
+    """What this run's epsilon does not cover (README: 'What is private'), one sentence each; ``setup`` gives the
+    prior source. Includes each choice that config key chosen-on-private-data says was made on private records."""
     out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
     if setup.prior_source == "public":
         out.append("class priors: declared public by the user (class-prior-values), not released from the data")
@@ -77,7 +79,18 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
         out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
                 "floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)"]
+    out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
+
+
+# What not_accounted says for each item of config key chosen-on-private-data (common.config.CHOSEN_ON_PRIVATE).
+CHOSEN_ON_PRIVATE_TEXT = {
+    "hyper-parameters": "hyper-parameters chosen on a validation split of the private training records (a search "
+                        "such as dpdro tune): not accounted",
+    "model": "model or checkpoint chosen on a validation split of the private training records: not accounted",
+    "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "
+                   "(applying a tau is post-processing; choosing it on private records is not)",
+}
 
 
 def software_versions() -> dict:

@@ -6,8 +6,9 @@
 Post-hoc logit adjustment predicts argmax_k f_k(x) - tau log pi_k with the class priors pi the run released
 (Menon et al. 2021, "Long-tail learning via logit adjustment", eq. 7). Tau changes no training step, only the
 prediction, so it can be chosen after training on a model: every tau of the grid costs one argmax on the
-validation split and no privacy budget beyond the run's (post-processing of a released model and released
-priors). A search draws tau with the other keys; a file transferred from another data set (``--transfer-from``)
+validation split and no training. Applying a tau is post-processing of a released model and released priors;
+choosing it by the validation metrics of private training records is not accounted (step 3 marks the file). A
+search draws tau with the other keys; a file transferred from another data set (``--transfer-from``)
 carries the source's tau, which need not fit the target's imbalance (Fashion-MNIST-ST's minority classes are not
 MNIST-ST's). This step chooses it again, on the target's own validation split, by the search's score, the same
 rule for every method:
@@ -21,10 +22,12 @@ rule for every method:
 2. Evaluate every model at every tau of the grid (``server.prediction.predict_posthoc_taus``), take the mean of
    each term (worst class or group, the two lowest, accuracy) over the seeds (``objective.mean_terms``) and choose
    by ``objective.choose_by_terms`` among the taus whose mean accuracy is at least ``--min-accuracy``.
-3. Rewrite the file's posthoc-tau and add a comment line that carries ``tuned.RECHOSEN_MARK``, the command, the
-   models and the figures of the chosen and the previous tau (docs/RESULTS.md names such methods).
+3. Rewrite the file's posthoc-tau, add 'posthoc-tau' to its key chosen-on-private-data (so that a run of the file
+   lists the choice under not_accounted) and add a comment line that carries ``tuned.RECHOSEN_MARK``, the command,
+   the models and the figures of the chosen and the previous tau (docs/RESULTS.md names such methods).
 
-Not privacy-accounted, like the search itself: tau depends on noiseless validation metrics.
+Not privacy-accounted, like the search itself: tau depends on noiseless validation metrics of private training
+records. Applying a tau is post-processing of the released model and priors; choosing it on private records is not.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from ..common.config import Config
 from .objective import choose_by_terms, evaluation_terms, mean_terms
-from .tuned import RECHOSEN_MARK, leading_comments, tuned_config_path
+from .tuned import CHOSEN_KEY, RECHOSEN_MARK, leading_comments, tuned_config_path, with_chosen_on_private
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,11 @@ def validation_fraction(dataset: str) -> float:
 
 def model_dir(root: Path, dataset: str, epsilon: float, method: str, keys: dict, seed: int) -> Path:
     """Where the validation model of a tuned file's ``keys`` and ``seed`` lives (module docstring). Named by the
-    keys without posthoc-tau: a tau changes no training step, so a model serves every tau."""
+    keys without posthoc-tau (a tau changes no training step, so a model serves every tau) and without
+    chosen-on-private-data (it computes nothing)."""
     from .tune import keys_tag, search_dir
 
-    tag = keys_tag({k: v for k, v in keys.items() if k != "posthoc-tau"})
+    tag = keys_tag({k: v for k, v in keys.items() if k not in ("posthoc-tau", CHOSEN_KEY)})
     return search_dir(root, dataset, epsilon) / "posthoc" / f"{method}-{tag}-seed{seed}"
 
 
@@ -157,8 +161,7 @@ def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, m
     from .tune import write_toml
 
     text = path.read_text()
-    keys = tomllib.loads(text)
-    keys["posthoc-tau"] = choice.chosen
+    keys = with_chosen_on_private({**tomllib.loads(text), "posthoc-tau": choice.chosen}, "posthoc-tau")
     ours = f"# {RECHOSEN_MARK} on {dataset}'s {_OURS}"
     header = [line.replace(_NOTHING_CHOSEN, "Nothing of this data set chose these keys but posthoc-tau (below).")
               for line in leading_comments(text) if not line.startswith(ours)]

@@ -196,6 +196,9 @@ _PATH_KEYS = frozenset({"data-root", "cache-dir"})
 # out of the fingerprint at that value, so that adding a key does not orphan the published rows (a sweep of
 # 2026-12-04 dropped every carried row when block-order joined the configuration).
 KEYS_ADDED_LATER = {"block-order": "sequential"}
+# Keys that change only what a run states about itself (the summary's not_accounted), never what it computes: left
+# out of the fingerprint at every value.
+STATEMENT_KEYS = ("chosen-on-private-data",)
 
 
 def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
@@ -203,7 +206,8 @@ def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
     included) except the runtime ones (``engine.RUNTIME_KEYS``: out-dir, threads, eval-every, ...) and the data
     paths, as sorted JSON of the validated Config, with the 'auto' values whose meaning is a rule resolved: the
     logit-adjustment tau (``Config.tau``) and delta (``ledger.AUTO_DELTA_RULE``, the rule of today's code), and
-    without the ``KEYS_ADDED_LATER`` that hold the value reproducing the runs made before them.
+    without the ``KEYS_ADDED_LATER`` that hold the value reproducing the runs made before them, and without the
+    ``STATEMENT_KEYS``.
     ``legacy``: the fingerprint the same keys had under LEGACY_DEFAULTS (runs before 2026-12-02, whose files set
     neither delta nor the accountant). Two runs with the same fingerprint are the same experiment; the code version
     itself is not in it (a change of what a configuration computes must be followed by new runs, ``dpdro report
@@ -215,7 +219,8 @@ def config_fingerprint(cfg: Config, legacy: bool = False) -> str:
     from ..server.engine import RUNTIME_KEYS
     from ..server.ledger import AUTO_DELTA_RULE
 
-    keys = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_KEYS and k not in _PATH_KEYS}
+    keys = {k: v for k, v in cfg.to_dict().items()
+            if k not in RUNTIME_KEYS and k not in _PATH_KEYS and k not in STATEMENT_KEYS}
     keys["logit-adjust-tau"] = cfg.tau
     for key, before in KEYS_ADDED_LATER.items():
         if keys.get(key) == before:

@@ -219,8 +219,9 @@ def rechosen_tau_line(dataset: str, epsilon: float, configs: Path, methods) -> s
     if not named:
         return None
     return ("Post-hoc tau chosen after the search (or the transfer), by the search's score over a grid of taus on "
-            "a validation split of this data set (post-processing of a released model, no budget; the tuned file's "
-            f"comment lines give the model, the command and the figures): {', '.join(named)}.")
+            "a validation split of this data set (applying a tau is post-processing of a released model; choosing it "
+            "on private training records is not accounted, and the file's key chosen-on-private-data says so; the "
+            f"tuned file's comment lines give the model, the command and the figures): {', '.join(named)}.")
 
 
 def carried_sentence(rows: list[dict]) -> str:

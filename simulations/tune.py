@@ -72,7 +72,7 @@ from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, Sear
 from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
 from .objective import evaluation_terms, mean_terms, pack_terms
-from .tuned import SEARCH_MARK, TRANSFER_MARK, transferred_from, tuned_config_path
+from .tuned import SEARCH_MARK, TRANSFER_MARK, transferred_from, tuned_config_path, with_chosen_on_private
 
 log = logging.getLogger(__name__)
 
@@ -632,7 +632,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, co
             log.warning("%s: no trial confirmed on %d seeds yet: no tuned file", method, record["confirm-seeds"])
             continue
         winners[method] = win
-        keys = final_keys(load_run_config(win["out_dir"]))
+        keys = with_chosen_on_private(final_keys(load_run_config(win["out_dir"])), *_searched_choices(method))
         header = (f"{SEARCH_MARK} {dataset} --epsilon {epsilon:g} --trials {record['trials']}`: "
                   f"trial {win['trial']} of {method} ({budget_line(record)}), mean over {win['seeds']} seed(s): "
                   f"validation worst {win['val_worst']:.4f}, two lowest {win['val_two_lowest']:.4f}, accuracy "
@@ -641,13 +641,20 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, co
         write_toml(tuned_config_path(dataset, epsilon, method, configs / "tuned"), keys, header)
     if winners:
         method, win = max(winners.items(), key=lambda kv: kv[1]["score"])  # ties: the first (baselines first)
-        keys = {**final_keys(load_run_config(win["out_dir"])), "out-dir": f"runs/{dataset}-eps{epsilon:g}-best"}
+        keys = {**with_chosen_on_private(final_keys(load_run_config(win["out_dir"])), *_searched_choices(method),
+                                         "model"), "out-dir": f"runs/{dataset}-eps{epsilon:g}-best"}
         header = (f"# Best configuration for {dataset} at epsilon {epsilon:g} over {', '.join(winners)} "
                   f"({budget_line(record)} each, selected on the validation score): {method}, trial "
                   f"{win['trial']}.\n# Run: dpdro train --config <this file>. The search is not "
                   "privacy-accounted (docs/TUNING.md).\n")
         write_toml(configs / f"{dataset}-eps{epsilon:g}-best.toml", keys, header)
     return winners
+
+
+def _searched_choices(method: str) -> tuple[str, ...]:
+    """What a search of ``method`` chose on the validation split (items of key chosen-on-private-data): its
+    hyper-parameters, and the post-hoc tau when the method's space draws it."""
+    return ("hyper-parameters", *(("posthoc-tau",) if "posthoc-tau" in SPACES[method] else ()))
 
 
 def budget_line(record: dict) -> str:

@@ -17,6 +17,9 @@ SEARCH_MARK = "# Tuned by `dpdro tune --dataset"  # first line of a file written
 # before it: ``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files quote the source's first line, so the
 # mark travels with the key.
 RECHOSEN_MARK = "posthoc-tau then re-chosen"
+# The configuration key through which a run knows what of it was chosen on a validation split of its private
+# training records (the summary's not_accounted lists each item); the tools that choose set it in their files.
+CHOSEN_KEY = "chosen-on-private-data"
 
 
 def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path = TUNED_CONFIGS) -> Path:
@@ -48,3 +51,14 @@ def leading_comments(text: str) -> list[str]:
     """The comment lines at the top of a TOML file's ``text`` (a tuned file's header)."""
     lines = text.splitlines()
     return lines[:next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))]
+
+
+def with_chosen_on_private(keys: dict, *items: str) -> dict:
+    """``keys`` (a tuned file's) with ``items`` (of ``common.config.CHOSEN_ON_PRIVATE``) added to key
+    chosen-on-private-data: the union with what it held, sorted and comma-separated; the other keys and their
+    order stay. ValueError (a ConfigError) for an unknown item."""
+    from ..common.config import Config
+
+    held = keys.get(CHOSEN_KEY, "")
+    merged = Config.from_mapping({CHOSEN_KEY: ",".join([held, *items])}).chosen_on_private
+    return {**keys, CHOSEN_KEY: ",".join(merged)}

@@ -190,3 +190,26 @@ def test_every_shipped_config_file_is_valid(path):
     keys = load_toml_keys(path)
     cfg = Config.from_mapping(keys)
     assert cfg.algorithm == keys["algorithm"] and cfg.dataset == keys["dataset"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "simulations" / "configs").rglob("*.toml")),
+                         ids=lambda p: str(p.relative_to(ROOT / "simulations" / "configs")))
+def test_every_shipped_choice_made_on_private_data_is_marked(path):
+    """A file whose keys a search chose on a validation split of its data set (first line SEARCH_MARK, or a best
+    file of the search) says so in key chosen-on-private-data, and so does one whose post-hoc tau was re-chosen on
+    it (RECHOSEN_MARK) or whose method was (best files, main.toml): a run of it lists each as not accounted.
+    Transferred and hand-set files chose nothing on their data set's records and carry no mark."""
+    from dpdro.common.config import load_toml_keys
+    from dpdro.simulations.tuned import RECHOSEN_MARK, SEARCH_MARK, leading_comments
+
+    text = path.read_text()
+    keys = load_toml_keys(path)
+    best = path.parent.name == "configs"  # main.toml and <dataset>-eps<e>-best.toml
+    expected = set()
+    if text.startswith(SEARCH_MARK) or best:
+        expected |= {"hyper-parameters"} | ({"posthoc-tau"} if "posthoc-tau" in keys else set())
+    if any(RECHOSEN_MARK in line for line in leading_comments(text)):
+        expected.add("posthoc-tau")
+    if best:
+        expected.add("model")
+    assert set(Config.from_mapping(keys).chosen_on_private) == expected

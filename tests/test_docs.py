@@ -63,3 +63,41 @@ def test_design_references_in_the_code_resolve_to_docs():
         elif section:
             heading = rf"^#+ {re.escape(section)}[. ]"
             assert re.search(heading, text, re.M), f"{where}: {doc}.md has no section {section}"
+
+
+# Claims that reading private records, or choosing on them, costs no privacy: each was in the docs or the code once.
+FREE_CLAIMS_ON_PRIVATE_RECORDS = (
+    "Post-hoc tau costs no training and no budget",  # README: choosing tau on validation
+    "Predictions and the model files are post-processing of the released model: no privacy cost",  # any split
+    "`train` and `validation` also work.",  # README: with no word that they are not private
+    "validation split of this data set (post-processing of a released model, no budget",  # RESULTS.md, tables.py
+    "no privacy budget beyond the run's",  # simulations/posthoc_tau.py
+    "post-processing, no training, no budget",  # TUNING.md: choosing tau on validation
+    "to choose tau on the validation split (post-processing of the released model with the released priors; no "
+    "budget spent)",  # server/prediction.py
+)
+FREE = ("no budget", "no privacy cost", "costs nothing", "no privacy budget", "free of privacy")
+
+
+def _normalised(path: Path) -> str:
+    return " ".join(path.read_text().split())
+
+
+def test_no_doc_says_reading_or_choosing_on_private_splits_is_free():
+    """Applying a post-hoc tau, and predicting or evaluating on the public test split, are post-processing; choosing
+    a tau or a checkpoint on a validation split, or evaluating on train / validation, is not accounted (README:
+    'What is private'). No README, docs/ or source sentence may say otherwise."""
+    import re
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    code = [p for folder in SOURCE_FOLDERS if folder != "tests" for p in sorted((ROOT / folder).rglob("*.py"))]
+    for path in docs + code:
+        text = _normalised(path)
+        for claim in FREE_CLAIMS_ON_PRIVATE_RECORDS:
+            assert claim not in text, f"{path.relative_to(ROOT)}: {claim!r}"
+    private = re.compile(r"validation split|--data validation|`train`|--data train")
+    for path in docs:
+        for sentence in re.split(r"(?<=[.;])\s+", _normalised(path)):
+            if any(f in sentence for f in FREE) and private.search(sentence):
+                assert "not accounted" in sentence or "not private" in sentence, (
+                    f"{path.relative_to(ROOT)}: {sentence!r}")

@@ -218,6 +218,78 @@ def test_evaluate_posthoc_taus_over_several_runs_prints_the_mean_terms_and_choos
     assert "--run: got 2 run directories" in capsys.readouterr().err
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_predict_and_evaluate_on_private_splits_say_not_private_and_write_only_to_out(finished, tmp_path, capsys):
+    """On 'train' (the run's private training records) both commands print "not private (reads private records)",
+    return it, and leave the run directory byte for byte as it was unless --out names a file (written there, the
+    statement in it); on 'test' they stay post-processing. --out naming a folder is refused, naming the flag."""
+    run, summary = finished
+    before = _files(run)
+    capsys.readouterr()
+    assert main(["predict", "--run", str(run), "--data", "train"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^600 predictions \(train, accuracy 0\.\d{4} against its labels\): not private \(reads private "
+                     r"records\); nothing written", out, re.M), out
+    assert main(["evaluate", "--run", str(run), "--data", "train"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^data train: 600 records, accuracy 0\.\d{4}, .*; not private \(reads private records\)$", out,
+                     re.M), out
+    assert "confusion matrix: not written (derived from private records" in out
+    assert main(["evaluate", "--run", str(run), "--data", "train", "--posthoc-tau", "0", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "600 records; post-hoc tau on the run's released priors (not private (reads private records))" in out
+    assert "chosen on private records: not accounted" in out and "confusion matrix: not written" in out
+    assert _files(run) == before  # nothing derived from private records in the run directory
+    # asked for: written where --out says, the statement with it
+    csv_out, png_out = tmp_path / "train.csv", tmp_path / "train.png"
+    assert main(["predict", "--run", str(run), "--data", "train", "--out", str(csv_out)]) == 0
+    assert f"written to {csv_out}; not private (reads private records)" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(csv_out)))
+    assert len(rows) == 600 and list(rows[0])[-1] == "privacy"
+    assert {r["privacy"] for r in rows} == {"not private (reads private records)"}
+    assert main(["evaluate", "--run", str(run), "--data", "train", "--out", str(png_out)]) == 0
+    assert f"confusion matrix: {png_out}" in capsys.readouterr().out and png_out.read_bytes()[:8] == PNG_MAGIC
+    assert _files(run) == before
+    # the Python API returns the statement; the public test split stays post-processing
+    train, test = dpdro.evaluate(run, "train"), dpdro.evaluate(run, "test")
+    assert train["privacy"] == "not private (reads private records)" and train["records"] == 600
+    assert test["privacy"] == "post-processing of the released model: no privacy cost"
+    assert test["accuracy"] == summary["test_accuracy"]
+    assert dpdro.predict(run, "train").privacy == "not private (reads private records)"
+    from dpdro.server.prediction import reads_private_records
+
+    assert [reads_private_records(d) for d in ("train", "validation", "test", "rows.csv")] == [True, True, False,
+                                                                                              False]
+    assert main(["predict", "--run", str(run), "--data", "train", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: is a folder; allowed: the path of the file to write" in capsys.readouterr().err
+    assert main(["evaluate", "--run", str(run), "--data", "validation"]) == 2  # it held none out
+    assert ("--data validation: the run held out no validation split (its validation-fraction is 0 and overlap-3 "
+            "has none of its own)") in capsys.readouterr().err
+
+
+def test_a_run_whose_posthoc_tau_was_chosen_on_private_data_lists_it_as_not_accounted(overlap, tmp_path):
+    """Config key chosen-on-private-data (which dpdro tune writes into its files): each item becomes a line of the
+    summary's not_accounted and of the model card; without it neither line appears; an unknown item is refused."""
+    from dpdro.common.config import Config, ConfigError
+
+    tau_line = ("post-hoc tau chosen on a validation split of the private training records: not accounted (applying "
+                "a tau is post-processing; choosing it on private records is not)")
+    marked = _cli_train({**KEYS, "chosen-on-private-data": "posthoc-tau,hyper-parameters", "out-dir": tmp_path / "m"})
+    assert tau_line in marked["not_accounted"]
+    assert any(s.startswith("hyper-parameters chosen on a validation split of the private training records")
+               for s in marked["not_accounted"])
+    assert tau_line in (tmp_path / "m" / "MODEL_CARD.md").read_text()
+    plain = _cli_train({**KEYS, "out-dir": tmp_path / "p"})
+    assert not any("validation split of the private" in s for s in plain["not_accounted"])
+    assert marked["epsilon_spent"] == plain["epsilon_spent"] and marked["test_accuracy"] == plain["test_accuracy"]
+    with pytest.raises(ConfigError, match=r"config key 'chosen-on-private-data': got 'posthoc_tau' \(unknown "
+                                          r"'posthoc_tau'\); allowed: '' or comma-separated items of"):
+        Config.from_mapping({"chosen-on-private-data": "posthoc_tau"})
+
+
 def test_model_pt_loads_into_a_fresh_model_built_from_model_json(finished):
     run, _ = finished
     meta = json.load(open(run / "model.json"))
@@ -426,8 +498,8 @@ def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file
     terms = scan(list(c.models), taus)
     assert c.chosen == taus[choose_by_terms(terms)] and c.chosen_terms == terms[taus.index(c.chosen)]
     assert c.previous == 1.0 and c.previous_terms == terms[2]
-    written = tomllib.loads(path.read_text())
-    assert written == {**keys, "posthoc-tau": c.chosen}
+    written = tomllib.loads(path.read_text())  # the choice is marked: a run of the file lists it as not accounted
+    assert written == {**keys, "posthoc-tau": c.chosen, "chosen-on-private-data": "posthoc-tau"}
     lines = path.read_text().splitlines()
     assert lines[0] == "# Transferred by a test. Nothing of this data set chose these keys but posthoc-tau (below)."
     assert lines[1].startswith(f"# {RECHOSEN_MARK} on overlap-3's validation split by `dpdro tune")

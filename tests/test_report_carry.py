@@ -234,3 +234,13 @@ def test_a_key_added_later_counts_only_away_from_its_old_behaviour():
         assert base.to_dict()[key] == before  # the default is the old behaviour
         other = next(v for v in FIELD_BY_KEY[key].choices if v != before)
         assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates({key: other}))
+
+
+def test_a_statement_key_never_changes_the_fingerprint():
+    """chosen-on-private-data changes only what a run states (its summary's not_accounted), not what it computes:
+    marking the shipped tuned files with it keeps every published row carried."""
+    base = Config.from_mapping({"algorithm": "dp-sgd-la"})
+    marked = base.with_updates({"chosen-on-private-data": "hyper-parameters,posthoc-tau"})
+    assert marked.chosen_on_private == ("hyper-parameters", "posthoc-tau")
+    assert sweep.config_fingerprint(marked) == sweep.config_fingerprint(base)
+    assert sweep.config_fingerprint(marked, legacy=True) == sweep.config_fingerprint(base, legacy=True)

@@ -195,10 +195,14 @@ def test_every_method_gets_the_same_budget_and_the_tuned_files_hold_the_winners_
         assert {k: written[k] for k in params} == params == win["keys"]  # the winner's searched keys, exactly
         cfg = Config.from_mapping(written)
         assert cfg.eval_split == "test" and cfg.validation_fraction == 0.0 and cfg.algorithm == method
+        # what the search chose on the validation split: a run of the file lists it as not accounted
+        assert cfg.chosen_on_private == ("hyper-parameters", "posthoc-tau")
     assert sum(c.seed == 0 for c in fake.calls) == 12 and sum(c.seed > 0 for c in fake.calls) == 3 * 2 * 2
     best = max(winners.items(), key=lambda kv: kv[1]["score"])[0]
     with open(configs / f"{DS}-eps4-best.toml", "rb") as f:
-        assert tomllib.load(f)["algorithm"] == best
+        best_keys = tomllib.load(f)
+    assert best_keys["algorithm"] == best  # the method, too, was chosen on the validation split
+    assert best_keys["chosen-on-private-data"] == "hyper-parameters,model,posthoc-tau"
     # --report: nothing runs, the same files and the trials' document come out
     n_calls = len(fake.calls)
     assert tune.write_tuned(DS, EPS, methods, root, configs) == winners and len(fake.calls) == n_calls

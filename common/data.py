@@ -62,7 +62,8 @@ class ArrayDataset:
     """Records as tensors: x (N, C, H, W) float32 in [-1, 1], y (N,) int64 in [0, num_classes); optional
     groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male); class_names:
     the names of classes 0 .. num_classes-1 when the data set gives them (user data), else () (model.json then
-    names the classes by index)."""
+    names the classes by index); skipped_files: files of the data set's folders not read as records
+    (``LoadedSplit.skipped_files``; summary.json reports it)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -71,6 +72,7 @@ class ArrayDataset:
     groups: torch.Tensor | None = None
     num_groups: int = 0
     class_names: tuple[str, ...] = ()
+    skipped_files: int = 0
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -82,7 +84,7 @@ class ArrayDataset:
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups,
-                            self.class_names)
+                            self.class_names, self.skipped_files)
 
 
 Loader = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | LoadedSplit"]
@@ -522,7 +524,7 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
     try:
         extra = (dict(options or {}),) if spec.with_options else ()
-        images, labels, groups, num_classes, num_groups, class_names = LoadedSplit(
+        images, labels, groups, num_classes, num_groups, class_names, skipped = LoadedSplit(
             *spec.load(files, root, cache, download, split_seed, *extra))
     finally:
         _CACHE_FALLBACK.reset(token)
@@ -538,7 +540,7 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     t = torch.as_tensor(idx)
     return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
-                        tuple(class_names))
+                        tuple(class_names), skipped)
 
 
 def _torchvision_loader(class_name: str) -> Loader:

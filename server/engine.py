@@ -266,7 +266,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     x, _ = algo.output(state)
     summary = run_summary(cfg, n=n, delta=delta, plan=plan, noise=noise, profiles=profiles, ledger=ledger,
                           releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
-                          transport_name=transport_name)
+                          transport_name=transport_name, skipped_files=test.skipped_files)
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
     _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows)

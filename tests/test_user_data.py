@@ -244,6 +244,54 @@ def test_image_folder_missing_folder_and_bad_keys_are_refused(tmp_path):
         Config.from_mapping({**IMAGE_KEYS, "image-channels": 2})
 
 
+def test_image_folder_reads_nested_sub_folders_as_torchvision_image_folder(image_root):
+    """Images in sub-folders of a class folder, at any depth, belong to the class, in ImageFolder's order
+    (before, only the files directly in the class folder were read)."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from dpdro.common.image_folder import IMAGE_EXTENSIONS
+
+    write_images(image_root / "train" / "top" / "2024" / "march", 7, 5, classes=("",))
+    write_images(image_root / "train" / "bottom" / "extra", 3, 6, classes=("",))
+    (image_root / "train" / "top" / "2024" / "UPPER.PNG").write_bytes((image_root / "train" / "top" / "000.png")
+                                                                    .read_bytes())
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    train = load_from_config(cfg, True)
+    reference = ImageFolder(str(image_root / "train"))
+    assert len(train) == len(reference) == 100 + 3 + 100 + 7 + 1
+    assert train.y.tolist() == reference.targets == [0] * 103 + [1] * 108
+    assert IMAGE_EXTENSIONS == IMG_EXTENSIONS
+    # the same pixels in the same order: the nested 'extra' images come after bottom's own files
+    first_nested = np.asarray(reference.loader(reference.samples[100][0]).convert("L"), dtype=np.float32)
+    assert train.x[100, 0].numpy() == pytest.approx(first_nested / 255 * 2 - 1, abs=1e-6)
+
+
+def test_image_folder_skipped_files_are_counted_in_the_log_and_the_summary(image_root, tmp_path, caplog):
+    """Files that are not images (other extensions, hidden files, files beside the class folders) are skipped,
+    counted over the training and test folders, logged once as a warning and reported as summary.json's
+    skipped_files (before, they were skipped without a count)."""
+    from dpdro.simulations.runner import run_one
+
+    (image_root / "train" / "top" / "notes.txt").write_text("not an image")
+    (image_root / "train" / "bottom" / "deep").mkdir()
+    (image_root / "train" / "bottom" / "deep" / ".DS_Store").write_bytes(b"\0")
+    (image_root / "train" / "README.md").write_text("beside the class folders")
+    (image_root / "test" / "top" / "labels.csv").write_text("a,b")
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    with caplog.at_level("WARNING", logger="dpdro.common.image_folder"):
+        train, test = load_from_config(cfg, True), load_from_config(cfg, False)
+    assert (len(train), len(test), train.skipped_files, test.skipped_files) == (200, 60, 4, 4)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # one per folder, not one per load
+    assert any("train: skipped 3 file(s) that are not images" in w and "top/notes.txt" in w for w in warnings)
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, **IMAGE_KEYS, "data-root": str(image_root), "out-dir": str(out), "iterations": 2,
+            "eval-every": 2}
+    assert run_one(keys) == (str(out), None)
+    assert json.loads((out / "summary.json").read_text())["skipped_files"] == 4
+
+
 # ---- user code by import path: model=module:factory, dataset=module:function ----
 PLUGINS = Path(__file__).parent / "plugins"
 

@@ -139,6 +139,41 @@ def test_csv_bounds_must_cover_every_feature(tmp_path):
     assert load_from_config(per_column, True).x.tolist()[0] == pytest.approx([-0.8, 1.0])
 
 
+@pytest.mark.parametrize(("column", "key"), [(2, "label"), (3, "site")], ids=["empty-label", "empty-group"])
+def test_csv_empty_label_or_group_cell_is_refused_naming_file_line_and_column(tmp_path, column, key):
+    """A training record without a label (or group) is an error naming the file, the line as an editor numbers it
+    (header = line 1) and the column, whichever split is loaded first (before, the label '' became a class)."""
+    rows = easy_rows(6, 1)
+    rows[2][column] = " "  # the third record: line 4
+    write_csv(tmp_path / "train.csv", rows, HEADER)
+    write_csv(tmp_path / "test.csv", easy_rows(4, 2), HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path)})
+    what = "label" if key == "label" else "group"
+    message = rf"train\.csv, line 4, column '{key}': empty {what} cell; every record needs a {what}"
+    for split in (True, False):
+        with pytest.raises(DataError, match=message):
+            load_from_config(cfg, split)
+    # the same in the test file
+    write_csv(tmp_path / "train.csv", easy_rows(6, 1), HEADER)
+    write_csv(tmp_path / "test.csv", rows, HEADER)
+    with pytest.raises(DataError, match=message.replace("train", "test")):
+        load_from_config(cfg, False)
+
+
+def test_csv_header_only_file_is_an_empty_split_refused_naming_file_and_split(tmp_path):
+    """A test.csv (or train.csv) with a header and no record is refused when its split is loaded (before, the
+    test split loaded empty and evaluation crashed in torch.cat)."""
+    write_csv(tmp_path / "train.csv", easy_rows(20, 1), HEADER)
+    write_csv(tmp_path / "test.csv", [], HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path)})
+    assert len(load_from_config(cfg, True)) == 20
+    with pytest.raises(DataError, match=r"test\.csv has a header but no records \(the test split would be empty\)"):
+        load_from_config(cfg, False)
+    write_csv(tmp_path / "train.csv", [], HEADER)
+    with pytest.raises(DataError, match=r"train\.csv has a header but no records \(the train split would be empty\)"):
+        load_from_config(cfg, True)
+
+
 # ---- dataset=image-folder ----
 IMAGE_KEYS = {"dataset": "image-folder", "image-size": 8, "image-channels": 1}
 

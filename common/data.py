@@ -173,6 +173,9 @@ def _call_entry_point(fn: Callable, path: str, split: str, data_root: Path, opti
         if y.dim() != 1 or len(x) != len(y) or (g is not None and g.shape != y.shape):
             raise DataError(f"dataset {path!r}: {s} returned x {tuple(x.shape)}, y {tuple(y.shape)}; expected x "
                             "(N, ...), y (N,) and groups (N,) for the same N records")
+        if not len(y):
+            raise DataError(f"dataset {path!r}: its {s} split holds no record (x {tuple(x.shape)}): every split "
+                            "needs at least one")
         if x.dtype != torch.uint8:
             x = x.to(torch.float32)
         if y.is_floating_point() or y.dtype == torch.bool or (len(y) and int(y.min()) < 0):
@@ -509,7 +512,8 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     validation split: the data set's own (CelebA), or for the others the ``validation_fraction`` of the training
     split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
     excludes. ``options``: {key: value} of the data set's ``keys`` for a loader ``with_options`` (user data).
-    Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt.
+    Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt or the split
+    holds no record (naming the split and the data root).
     """
     import torch
 
@@ -537,6 +541,12 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
         if validation_fraction > 0:
             idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
+    if not len(idx):
+        name = {"val": "validation"}.get(split, split)
+        raise DataError(f"the {name} split of dataset {dataset!r} (data-root {root}) holds no record: every split "
+                        "needs at least one; add records, or give the split its own file or folder where the data "
+                        "set allows (a split carved from the training data, by validation-fraction or as the 20% "
+                        "test split of user data without a test file, takes a rounded fraction of every class)")
     t = torch.as_tensor(idx)
     return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,

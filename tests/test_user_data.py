@@ -174,6 +174,44 @@ def test_csv_header_only_file_is_an_empty_split_refused_naming_file_and_split(tm
         load_from_config(cfg, True)
 
 
+def test_an_empty_split_carved_from_the_training_data_is_refused_naming_it(tmp_path):
+    """A split that rounds to no record (the 20% test split of one record per class; a validation fraction too
+    small for the classes) is an error naming the split and the data root, not an empty evaluation."""
+    path = write_csv(tmp_path / "two.csv", [[1, 5, "no", "a"], [5, 1, "yes", "b"]], HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(path)})
+    assert len(load_from_config(cfg, True)) == 2
+    with pytest.raises(DataError, match=r"the test split of dataset 'csv' \(data-root .*two\.csv\) holds no record"):
+        load_from_config(cfg, False)
+    write_csv(tmp_path / "d" / "train.csv", easy_rows(20, 1), HEADER)
+    write_csv(tmp_path / "d" / "test.csv", easy_rows(4, 2), HEADER)
+    val = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path / "d"), "validation-fraction": 0.01,
+                               "eval-split": "validation"})
+    with pytest.raises(DataError, match=r"the validation split of dataset 'csv' .* holds no record"):
+        load_from_config(val, False)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_a_private_run_on_too_few_records_is_refused_before_any_work(tmp_path, rows):
+    """A private run needs n >= 10 training records (server.engine.MIN_PRIVATE_RECORDS): the error names n, the
+    minimum and why, before any release or run file (before, n = 1 trained at delta 0.1 without a word)."""
+    from dpdro.simulations.runner import run_one
+
+    write_csv(tmp_path / "data" / "train.csv", easy_rows(rows, 1), HEADER)
+    write_csv(tmp_path / "data" / "test.csv", easy_rows(4, 2), HEADER)
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, **CSV_KEYS, "data-root": str(tmp_path / "data"), "out-dir": str(out), "num-clients": 1,
+            "refresh-batch": 1, "diff-batch": 1, "classes": "no,yes", "csv-group": "", "csv-features": "f1,f2"}
+    with pytest.raises(ConfigError, match=rf"n = {rows} training records: a private run needs at least 10\. With "
+                                          rf"fewer, the default delta = 1/\(10 n\) = {0.1 / rows:.3g} is above 0\.01"):
+        run_one(keys)
+    assert not out.exists()
+    from dpdro.server.engine import MIN_PRIVATE_RECORDS, check_records
+
+    assert MIN_PRIVATE_RECORDS == 10
+    check_records(Config.from_mapping({**keys, "epsilon": 4.0}), 10)  # the minimum itself is accepted
+    check_records(Config.from_mapping({**keys, "epsilon": "inf"}), 1)  # no noise, no minimum
+
+
 # ---- dataset=image-folder ----
 IMAGE_KEYS = {"dataset": "image-folder", "image-size": 8, "image-channels": 1}
 

@@ -62,7 +62,8 @@ class ArrayDataset:
     """Records as tensors: x (N, C, H, W) float32 in [-1, 1], y (N,) int64 in [0, num_classes); optional
     groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male); class_names:
     the names of classes 0 .. num_classes-1 when the data set gives them (user data), else () (model.json then
-    names the classes by index)."""
+    names the classes by index); skipped_files: files of the data set's folders not read as records
+    (``LoadedSplit.skipped_files``; summary.json reports it)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -71,6 +72,7 @@ class ArrayDataset:
     groups: torch.Tensor | None = None
     num_groups: int = 0
     class_names: tuple[str, ...] = ()
+    skipped_files: int = 0
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -82,7 +84,7 @@ class ArrayDataset:
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups,
-                            self.class_names)
+                            self.class_names, self.skipped_files)
 
 
 Loader = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | LoadedSplit"]
@@ -171,6 +173,9 @@ def _call_entry_point(fn: Callable, path: str, split: str, data_root: Path, opti
         if y.dim() != 1 or len(x) != len(y) or (g is not None and g.shape != y.shape):
             raise DataError(f"dataset {path!r}: {s} returned x {tuple(x.shape)}, y {tuple(y.shape)}; expected x "
                             "(N, ...), y (N,) and groups (N,) for the same N records")
+        if not len(y):
+            raise DataError(f"dataset {path!r}: its {s} split holds no record (x {tuple(x.shape)}): every split "
+                            "needs at least one")
         if x.dtype != torch.uint8:
             x = x.to(torch.float32)
         if y.is_floating_point() or y.dtype == torch.bool or (len(y) and int(y.min()) < 0):
@@ -507,7 +512,8 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     validation split: the data set's own (CelebA), or for the others the ``validation_fraction`` of the training
     split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
     excludes. ``options``: {key: value} of the data set's ``keys`` for a loader ``with_options`` (user data).
-    Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt.
+    Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt or the split
+    holds no record (naming the split and the data root).
     """
     import torch
 
@@ -522,7 +528,7 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
     try:
         extra = (dict(options or {}),) if spec.with_options else ()
-        images, labels, groups, num_classes, num_groups, class_names = LoadedSplit(
+        images, labels, groups, num_classes, num_groups, class_names, skipped = LoadedSplit(
             *spec.load(files, root, cache, download, split_seed, *extra))
     finally:
         _CACHE_FALLBACK.reset(token)
@@ -535,10 +541,16 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
         if validation_fraction > 0:
             idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
+    if not len(idx):
+        name = {"val": "validation"}.get(split, split)
+        raise DataError(f"the {name} split of dataset {dataset!r} (data-root {root}) holds no record: every split "
+                        "needs at least one; add records, or give the split its own file or folder where the data "
+                        "set allows (a split carved from the training data, by validation-fraction or as the 20% "
+                        "test split of user data without a test file, takes a rounded fraction of every class)")
     t = torch.as_tensor(idx)
     return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
-                        tuple(class_names))
+                        tuple(class_names), skipped)
 
 
 def _torchvision_loader(class_name: str) -> Loader:

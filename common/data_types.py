@@ -29,6 +29,8 @@ class LoadedSplit(NamedTuple):
     in [0, num_groups) or None. num_classes / num_groups: 0 means the ``DatasetSpec``'s; user data sets, whose
     classes come from their files or the config key ``classes``, set them. class_names: the names of classes
     0 .. K-1 when the files give them (folder names, label values; public, as the number of classes), else ().
+    skipped_files: files of the data set's folders that were not read as records (user image folders: files that
+    are not images, or hidden), counted over all its splits; 0 for the others.
     """
 
     x: torch.Tensor
@@ -37,6 +39,7 @@ class LoadedSplit(NamedTuple):
     num_classes: int = 0
     num_groups: int = 0
     class_names: tuple[str, ...] = ()
+    skipped_files: int = 0
 
 
 def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:

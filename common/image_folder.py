@@ -2,9 +2,12 @@
 ``common.data``).
 
 Layout (``data-root``): ``train/<class>/<image>`` and, optionally, ``test/<class>/<image>``; or ``<class>/<image>``
-directly, in which case ``USER_TEST_FRACTION`` of every class (seeded by split-seed) is the test split. Images
-are the files with one of ``IMAGE_EXTENSIONS`` (other files and hidden ones are skipped); classes are the
-sub-folder names, sorted (as ``ImageFolder``), or config key ``classes``.
+directly, in which case ``USER_TEST_FRACTION`` of every class (seeded by split-seed) is the test split. As
+``ImageFolder`` (whose ``make_dataset`` walks the folders here), a class folder is read recursively: images in
+its sub-folders at any depth belong to the class; classes are the top-level sub-folder names, sorted, or config
+key ``classes``. Images are the files with one of ``IMAGE_EXTENSIONS``; other files, hidden ones (and the files of
+hidden folders) and files beside the class folders are skipped, counted (``LoadedSplit.skipped_files``, reported
+in summary.json) and logged once as a warning.
 
 Each image is converted to ``image-channels`` (1: grey, 3: RGB) and resized to ``image-size`` x ``image-size``
 (bilinear; 0: kept, then every image must have one size). Values: x / 255 * 2 - 1 (as the built-ins), or
@@ -15,6 +18,7 @@ never statistics of the private images.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +29,8 @@ from .data_types import DataError, LoadedSplit, declared_classes, user_test_spli
 
 if TYPE_CHECKING:  # torch is imported where tensors are built (config validation stays free of it)
     import torch
+
+log = logging.getLogger(__name__)
 
 KEYS = ("classes", "image-size", "image-channels", "image-mean", "image-std")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
@@ -85,10 +91,31 @@ def class_folders(folder: Path) -> list[str]:
     return names
 
 
+def class_images(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(images, skipped files) of one class folder, walked as torchvision's ``ImageFolder`` walks it (its
+    ``make_dataset``): the folder and every sub-folder at any depth (symbolic links followed), folders in sorted
+    path order, files by name within each. Images: the files ending in one of ``IMAGE_EXTENSIONS`` (any case,
+    ``has_file_allowed_extension``), except that hidden files and the files of hidden folders (a name starting
+    with '.', e.g. macOS '._x.png' companions, which are no images) are skipped, as ImageFolder does not.
+    Skipped: every other file."""
+    from torchvision.datasets.folder import has_file_allowed_extension, make_dataset
+
+    skipped = []
+
+    def is_image(path: str) -> bool:
+        visible = not any(part.startswith(".") for part in Path(path).relative_to(folder).parts)
+        if visible and has_file_allowed_extension(path, IMAGE_EXTENSIONS):
+            return True
+        skipped.append(Path(path))
+        return False
+
+    found = make_dataset(str(folder.parent), {folder.name: 0}, is_valid_file=is_image, allow_empty=True)
+    return [Path(p) for p, _ in found], skipped
+
+
 def image_files(folder: Path) -> list[Path]:
-    """The images of one class folder, sorted by name; DataError naming the folder when it has none."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
-                   and p.suffix.lower() in IMAGE_EXTENSIONS)
+    """The images of one class folder (``class_images``); DataError naming the folder when it has none."""
+    files = class_images(folder)[0]
     if not files:
         raise DataError(f"class folder {folder} has no images: expected files ending in "
                         f"{', '.join(IMAGE_EXTENSIONS)} (remove the folder, or declare the classes with config key "
@@ -113,8 +140,9 @@ def _decode(path: Path, channels: int, size: int) -> np.ndarray:
 @functools.lru_cache(maxsize=4)
 def _read_folder(folder: str, classes: tuple[str, ...], channels: int, size: int,
                  stamp: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 images (N, C, H, W), int64 labels (N,)) of one folder of class folders, in class then name order
-    (cached per folder, classes, channels, size and the files' names, sizes and modification times)."""
+    """(uint8 images (N, C, H, W), int64 labels (N,)) of one folder of class folders, in class order, each class
+    in the order of ``class_images`` (cached per folder, classes, channels, size and the files' names, sizes and
+    modification times)."""
     images, labels = [], []
     for k, name in enumerate(classes):
         sub = Path(folder) / name
@@ -135,6 +163,22 @@ def _stamp(folder: Path) -> tuple:
     return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file())
 
 
+@functools.lru_cache(maxsize=8)
+def _skipped(folder: str, stamp: tuple) -> int:
+    """How many files of the split folder ``folder`` (a folder of class folders) are not read as images: the visible
+    files beside the class folders and the files ``class_images`` skips. Logs them as a warning (once per folder
+    and ``stamp``, its files' names, sizes and modification times)."""
+    root = Path(folder)
+    skipped = [p for p in sorted(root.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    for name in class_folders(root):
+        skipped += class_images(root / name)[1]
+    if skipped:
+        shown = ", ".join(str(p.relative_to(root)) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        log.warning("image-folder %s: skipped %d file(s) that are not images (not ending in %s, hidden, or beside "
+                    "the class folders): %s", root, len(skipped), ", ".join(IMAGE_EXTENSIONS), shown)
+    return len(skipped)
+
+
 def fingerprint(data_root: Path) -> str:
     """Digest of every file's path, size and modification time under the data root."""
     import hashlib
@@ -145,8 +189,9 @@ def fingerprint(data_root: Path) -> str:
 def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
          options: Mapping[str, Any]) -> LoadedSplit:
     """The 'train' or 'test' split: images uint8 (N, C, S, S) (or float32 with a declared normalisation), labels
-    int64 (N,), no groups. Raises DataError naming the folder or file for a missing folder, a class folder with
-    no images, an unreadable image, a test class folder the training folder lacks (or outside ``classes``)."""
+    int64 (N,), no groups, and the number of files skipped in the training and test folders (``_skipped``, the
+    same for both splits). Raises DataError naming the folder or file for a missing folder, a class folder with no
+    images, an unreadable image, a test class folder the training folder lacks (or outside ``classes``)."""
     import torch
 
     train_dir, test_dir = folders(data_root)
@@ -165,7 +210,9 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
                 raise DataError(f"test class folder {test_dir / name} is not one of the {where} "
                                 f"({', '.join(classes)}): more classes in test than in training")
     channels, size = options["image-channels"], options["image-size"]
-    x, y = _read_folder(str(folder), tuple(classes), channels, size, _stamp(folder))
+    stamps = {f: _stamp(f) for f in (train_dir, test_dir) if f is not None}
+    x, y = _read_folder(str(folder), tuple(classes), channels, size, stamps[folder])
+    skipped = sum(_skipped(str(f), stamp) for f, stamp in stamps.items())
     if test_dir is None:
         keep = user_test_split(y, split, split_seed)
         x, y = x[keep], y[keep]
@@ -174,7 +221,8 @@ def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_see
     if norm is not None:
         mean, std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in norm)
         images = (images.to(torch.float32) / 255.0 - mean) / std
-    return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0, tuple(classes))
+    return LoadedSplit(images, torch.from_numpy(np.ascontiguousarray(y)), None, len(classes), 0, tuple(classes),
+                       skipped)
 
 
 def _visible(folder: Path) -> tuple[list[Path], list[Path]]:

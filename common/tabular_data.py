@@ -2,10 +2,11 @@
 
 Layout (``data-root``): a folder holding ``train.csv`` and, optionally, ``test.csv``; or one ``.csv`` file. Without
 a test file, ``USER_TEST_FRACTION`` of every class of the training file (seeded by split-seed) is the test split.
-The first line names the columns. Config keys: ``csv-label`` (label column), ``csv-features`` (feature columns;
-'' = every other column), ``csv-group`` (optional group column, for worst-group accuracy), ``classes`` (class
-names in label order; '' = the distinct labels of the training file, sorted), ``csv-bounds`` (the public range
-of every feature).
+The first line names the columns; every record needs a label and, with csv-group, a group (an empty cell is a
+DataError naming the file, the line and the column), and a file with a header only is an error. Config keys:
+``csv-label`` (label column), ``csv-features`` (feature columns; '' = every other column), ``csv-group`` (optional
+group column, for worst-group accuracy), ``classes`` (class names in label order; '' = the distinct labels of the
+training file, sorted), ``csv-bounds`` (the public range of every feature).
 
 Privacy: features are scaled by the declared public bounds only, x' = 2 (clip(x, lo, hi) - lo) / (hi - lo) - 1
 in [-1, 1]; no statistic of the records (mean, min, max) is computed, as it would be an unaccounted release.
@@ -117,6 +118,36 @@ def _index(values: list[str], names: list[str], path: Path, rows: range, what: s
     return out
 
 
+def _short_row(path: Path, line: int, row: list[str], header: list[str]) -> DataError:
+    return DataError(f"{path}, line {line}: {len(row)} cells; expected {len(header)} (one per column of the header)")
+
+
+def _cells(path: Path, header: list[str], rows: list[list[str]], keep, col: int, what: str, key: str) -> list[str]:
+    """The stripped cells of column ``col`` (the ``what`` column, config key ``key``) of the rows at positions
+    ``keep`` (file line = position + 2, the header being line 1). Raises DataError naming the file, the line and the
+    column for a row of the wrong length or an empty cell (a record without a label or group)."""
+    out = []
+    for i in keep:
+        row, line = rows[i], int(i) + 2
+        if len(row) != len(header):
+            raise _short_row(path, line, row, header)
+        value = row[col].strip()
+        if not value:
+            raise DataError(f"{path}, line {line}, column {header[col]!r}: empty {what} cell; every record needs a "
+                            f"{what} (config key '{key}'): fill it in or remove the line")
+        out.append(value)
+    return out
+
+
+def _records(path: Path, rows: list[list[str]], split: str = "") -> list[list[str]]:
+    """``rows`` of the file ``path``; DataError naming the file (and ``split``, the split it holds) when it has a
+    header only."""
+    if not rows:
+        empty = f" (the {split} split would be empty)" if split else ""
+        raise DataError(f"{path} has a header but no records{empty}: expected one record a line after the header")
+    return rows
+
+
 def feature_names(header: list[str], options: Mapping[str, Any], path: Path) -> list[str]:
     """The feature columns: config key csv-features, or every column of ``header`` but the label and group
     columns. DataError naming the file when there is none or a named one is missing."""
@@ -152,8 +183,7 @@ def scaled_features(path: Path, header: list[str], rows: list[list[str]], keep, 
     for j, i in enumerate(keep):
         row, line = rows[i], int(i) + 2
         if len(row) != len(header):
-            raise DataError(f"{path}, line {line}: {len(row)} cells; expected {len(header)} (one per column of the "
-                            "header)")
+            raise _short_row(path, line, row, header)
         for k, (c, n) in enumerate(zip(fi, names, strict=True)):
             try:
                 v = float(row[c])
@@ -170,38 +200,43 @@ def scaled_features(path: Path, header: list[str], rows: list[list[str]], keep, 
 def load(split: str, data_root: Path, cache_dir: Path, download: bool, split_seed: int,
          options: Mapping[str, Any]) -> LoadedSplit:
     """The 'train' or 'test' split: features float32 (N, F) in [-1, 1], labels int64 (N,), groups int64 (N,) or
-    None. Raises DataError naming the file, the line and the column for a missing column, a row of the wrong
-    length, a non-numeric or non-finite feature, a label (or group) of the test file the training file lacks
-    (or outside ``classes``)."""
+    None. Raises DataError naming the file (and the split) for a file with a header only, and naming the file, the
+    line and the column for a missing column, a row of the wrong length, an empty label or group cell (of any
+    training record, whichever split is asked for), a non-numeric or non-finite feature, a label (or group) of the
+    test file the training file lacks (or outside ``classes``)."""
     import torch
 
     train_path, test_path = files(data_root)
     label, group = options["csv-label"].strip(), options["csv-group"].strip()
     train_header, train_rows = read_table(train_path)
+    _records(train_path, train_rows, "train")
     li = _column(train_header, label, train_path, "csv-label")
     gi = _column(train_header, group, train_path, "csv-group") if group else None
-    train_labels = [r[li].strip() if li < len(r) else "" for r in train_rows]
+    every = range(len(train_rows))
+    train_labels = _cells(train_path, train_header, train_rows, every, li, "label", "csv-label")
     classes = declared_classes(options["classes"]) or natural_order(train_labels)
     class_source = "declared classes (config key 'classes')" if options["classes"].strip() else \
         f"classes of the training file {train_path.name}"
-    groups_names = natural_order(r[gi].strip() for r in train_rows if gi < len(r)) if gi is not None else []
+    groups_names = natural_order(_cells(train_path, train_header, train_rows, every, gi, "group", "csv-group")) \
+        if gi is not None else []
     path, header, rows = (test_path, *read_table(test_path)) if split == "test" and test_path else \
         (train_path, train_header, train_rows)
     if test_path is None:
         keep = user_test_split(_index(train_labels, classes, train_path, range(2, len(train_rows) + 2), "label",
                                       class_source), split, split_seed)
     else:
-        keep = np.arange(len(rows))
+        keep = np.arange(len(_records(path, rows, split)))
     li = _column(header, label, path, "csv-label")
     gi = _column(header, group, path, "csv-group") if group else None
     names = feature_names(header, options, path)
     scaled = scaled_features(path, header, rows, keep, names, options["csv-bounds"])
     lines = [int(i) + 2 for i in keep]
-    y = _index([rows[i][li].strip() for i in keep], classes, path, lines, "label", class_source)
+    y = _index(_cells(path, header, rows, keep, li, "label", "csv-label"), classes, path, lines, "label",
+               class_source)
     g = None
     if gi is not None:
-        g = torch.from_numpy(_index([rows[i][gi].strip() for i in keep], groups_names, path, lines, "group",
-                                    f"groups of the training file {train_path.name}"))
+        g = torch.from_numpy(_index(_cells(path, header, rows, keep, gi, "group", "csv-group"), groups_names, path,
+                                    lines, "group", f"groups of the training file {train_path.name}"))
     return LoadedSplit(torch.from_numpy(scaled.astype(np.float32)), torch.from_numpy(y), g, len(classes),
                        len(groups_names), tuple(classes))
 
@@ -223,11 +258,11 @@ def read_file_records(path: Path, options: Mapping[str, Any], classes: list[str]
     column (config key csv-label), groups int64 (N,) or None (indices into the file's own sorted group names),
     number of groups, file line of every row). ``names``: the training feature columns (model.json), else
     csv-features or every column but the label and group. Raises DataError naming the file, the line and the
-    column (a missing feature column, a non-numeric cell, a label outside ``classes``)."""
+    column (a missing feature column, a non-numeric cell, an empty label or group cell, a label outside
+    ``classes``), and naming the file for a file with a header only."""
     header, rows = read_table(path)
     label, group = options["csv-label"].strip(), options["csv-group"].strip()
-    if not rows:
-        raise DataError(f"{path} has a header but no records: expected one record a line after the header")
+    _records(path, rows)
     names = names or feature_names(header, options, path)
     for n in names:
         if n not in header:
@@ -238,12 +273,11 @@ def read_file_records(path: Path, options: Mapping[str, Any], classes: list[str]
     lines = [int(i) + 2 for i in keep]
     y = None
     if label in header:
-        li = header.index(label)
-        y = _index([r[li].strip() for r in rows], classes, path, lines, "label", "classes of the model")
+        y = _index(_cells(path, header, rows, keep, header.index(label), "label", "csv-label"), classes, path, lines,
+                   "label", "classes of the model")
     g, num_groups = None, 0
     if group and group in header:
-        gi = header.index(group)
-        group_names = natural_order(r[gi].strip() for r in rows)
-        g, num_groups = _index([r[gi].strip() for r in rows], group_names, path, lines, "group", "groups"), \
-            len(group_names)
+        values = _cells(path, header, rows, keep, header.index(group), "group", "csv-group")
+        group_names = natural_order(values)
+        g, num_groups = _index(values, group_names, path, lines, "group", "groups"), len(group_names)
     return x, y, g, num_groups, lines

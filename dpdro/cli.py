@@ -327,12 +327,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
-    from dpdro.server.engine import check_groups, plan_run, resolve_delta
+    from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
 
     train_set = load_from_config(cfg, train=True)
     check_groups(cfg, train_set.num_groups)
     n = LocalTransport(cfg, train_set).num_records
+    check_records(cfg, n)
     dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                                 input_shape=tuple(train_set.x.shape[1:]))).dim
     delta = resolve_delta(cfg, n)

@@ -61,6 +61,24 @@ class TrainingStopped(Exception):
         self.iteration, self.iterations, self.out_dir = iteration, iterations, out_dir
 
 
+# The fewest training records a private run accepts: below 10, the default delta = 1/(10 n) is above 0.01, and
+# (epsilon, delta)-DP with such a delta is met by a mechanism that publishes the whole data set with probability
+# delta. The tests' smallest private runs use 20 to 30 records.
+MIN_PRIVATE_RECORDS = 10
+
+
+def check_records(cfg: Config, n: int) -> None:
+    """Refuse a run on ``n`` training records (public) before any work: ConfigError for n = 0, and for a private
+    run on fewer than ``MIN_PRIVATE_RECORDS``, naming n, the minimum and why."""
+    if n < 1:
+        raise ConfigError("the clients hold no training record (n = 0)")
+    if cfg.private and n < MIN_PRIVATE_RECORDS:
+        raise ConfigError(f"n = {n} training records: a private run needs at least {MIN_PRIVATE_RECORDS}. With fewer, "
+                          f"the default delta = 1/(10 n) = {auto_delta(n):.3g} is above 0.01, and (epsilon, delta)-DP "
+                          "with such a delta is met by publishing the whole data set with probability delta: add "
+                          "records (check max-train-records), or train without privacy (epsilon=inf)")
+
+
 def resolve_delta(cfg: Config, n: int) -> float:
     """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
     raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
@@ -151,7 +169,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     API's ``model=``); validated like every model (ModelError for layers that mix records), trained from its
     own initial parameters.
 
-    Raises ConfigError for a configuration the data cannot support or an out-dir that is not empty (without
+    Raises ConfigError for a configuration the data cannot support (e.g. too few records: ``check_records``) or an
+    out-dir that is not empty (without
     ``resume`` or config key overwrite; ``rundir.check_out_dir``), ResumeError for an unusable checkpoint,
     and ledger.PrivacyBudgetExceeded if a release would overspend (nothing is released then).
     """
@@ -160,8 +179,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     n = transport.num_records
-    if n < 1:
-        raise ConfigError("the clients hold no training record (n = 0)")
+    check_records(cfg, n)
     for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
         if batch > n:
             raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
@@ -270,7 +288,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     x, _ = algo.output(state)
     summary = run_summary(cfg, n=n, delta=delta, plan=plan, noise=noise, profiles=profiles, ledger=ledger,
                           releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
-                          transport_name=transport_name)
+                          transport_name=transport_name, skipped_files=test.skipped_files)
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
     _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows)

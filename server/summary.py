@@ -17,12 +17,14 @@ from .releaser import Releaser
 
 def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[str, float], profiles: dict | None,
                 ledger: Ledger, releaser: Releaser, final: dict, setup, spider: dict, wall_seconds: float,
-                transport_name: str) -> dict:
+                transport_name: str, skipped_files: int = 0) -> dict:
     """summary.json of a finished run: the config's headline keys, the privacy accounting (target, spent, noise,
-    against the server), the final evaluation row ``final`` and the setup releases' results (``setup``)."""
+    against the server), the final evaluation row ``final``, the setup releases' results (``setup``) and
+    ``skipped_files``, the files of the data set's folders not read as records (``ArrayDataset.skipped_files``)."""
     return {
         "algorithm": cfg.algorithm, "dataset": cfg.dataset, "seed": cfg.seed, "num_clients": cfg.num_clients,
         "iterations": cfg.iterations, "n": n, "epsilon_target": cfg.epsilon, "epsilon_spent": final["epsilon_spent"],
+        "skipped_files": skipped_files,
         "delta": delta, "accountant": cfg.accountant, "noise_multipliers": noise,
         "noise_allocation": {"rule": cfg.noise_allocation, "relative": {m.name: m.relative_noise for m in plan
                                                                         if m.fixed_noise is None},

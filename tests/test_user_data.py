@@ -139,6 +139,79 @@ def test_csv_bounds_must_cover_every_feature(tmp_path):
     assert load_from_config(per_column, True).x.tolist()[0] == pytest.approx([-0.8, 1.0])
 
 
+@pytest.mark.parametrize(("column", "key"), [(2, "label"), (3, "site")], ids=["empty-label", "empty-group"])
+def test_csv_empty_label_or_group_cell_is_refused_naming_file_line_and_column(tmp_path, column, key):
+    """A training record without a label (or group) is an error naming the file, the line as an editor numbers it
+    (header = line 1) and the column, whichever split is loaded first (before, the label '' became a class)."""
+    rows = easy_rows(6, 1)
+    rows[2][column] = " "  # the third record: line 4
+    write_csv(tmp_path / "train.csv", rows, HEADER)
+    write_csv(tmp_path / "test.csv", easy_rows(4, 2), HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path)})
+    what = "label" if key == "label" else "group"
+    message = rf"train\.csv, line 4, column '{key}': empty {what} cell; every record needs a {what}"
+    for split in (True, False):
+        with pytest.raises(DataError, match=message):
+            load_from_config(cfg, split)
+    # the same in the test file
+    write_csv(tmp_path / "train.csv", easy_rows(6, 1), HEADER)
+    write_csv(tmp_path / "test.csv", rows, HEADER)
+    with pytest.raises(DataError, match=message.replace("train", "test")):
+        load_from_config(cfg, False)
+
+
+def test_csv_header_only_file_is_an_empty_split_refused_naming_file_and_split(tmp_path):
+    """A test.csv (or train.csv) with a header and no record is refused when its split is loaded (before, the
+    test split loaded empty and evaluation crashed in torch.cat)."""
+    write_csv(tmp_path / "train.csv", easy_rows(20, 1), HEADER)
+    write_csv(tmp_path / "test.csv", [], HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path)})
+    assert len(load_from_config(cfg, True)) == 20
+    with pytest.raises(DataError, match=r"test\.csv has a header but no records \(the test split would be empty\)"):
+        load_from_config(cfg, False)
+    write_csv(tmp_path / "train.csv", [], HEADER)
+    with pytest.raises(DataError, match=r"train\.csv has a header but no records \(the train split would be empty\)"):
+        load_from_config(cfg, True)
+
+
+def test_an_empty_split_carved_from_the_training_data_is_refused_naming_it(tmp_path):
+    """A split that rounds to no record (the 20% test split of one record per class; a validation fraction too
+    small for the classes) is an error naming the split and the data root, not an empty evaluation."""
+    path = write_csv(tmp_path / "two.csv", [[1, 5, "no", "a"], [5, 1, "yes", "b"]], HEADER)
+    cfg = Config.from_mapping({**CSV_KEYS, "data-root": str(path)})
+    assert len(load_from_config(cfg, True)) == 2
+    with pytest.raises(DataError, match=r"the test split of dataset 'csv' \(data-root .*two\.csv\) holds no record"):
+        load_from_config(cfg, False)
+    write_csv(tmp_path / "d" / "train.csv", easy_rows(20, 1), HEADER)
+    write_csv(tmp_path / "d" / "test.csv", easy_rows(4, 2), HEADER)
+    val = Config.from_mapping({**CSV_KEYS, "data-root": str(tmp_path / "d"), "validation-fraction": 0.01,
+                               "eval-split": "validation"})
+    with pytest.raises(DataError, match=r"the validation split of dataset 'csv' .* holds no record"):
+        load_from_config(val, False)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_a_private_run_on_too_few_records_is_refused_before_any_work(tmp_path, rows):
+    """A private run needs n >= 10 training records (server.engine.MIN_PRIVATE_RECORDS): the error names n, the
+    minimum and why, before any release or run file (before, n = 1 trained at delta 0.1 without a word)."""
+    from dpdro.simulations.runner import run_one
+
+    write_csv(tmp_path / "data" / "train.csv", easy_rows(rows, 1), HEADER)
+    write_csv(tmp_path / "data" / "test.csv", easy_rows(4, 2), HEADER)
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, **CSV_KEYS, "data-root": str(tmp_path / "data"), "out-dir": str(out), "num-clients": 1,
+            "refresh-batch": 1, "diff-batch": 1, "classes": "no,yes", "csv-group": "", "csv-features": "f1,f2"}
+    with pytest.raises(ConfigError, match=rf"n = {rows} training records: a private run needs at least 10\. With "
+                                          rf"fewer, the default delta = 1/\(10 n\) = {0.1 / rows:.3g} is above 0\.01"):
+        run_one(keys)
+    assert not out.exists()
+    from dpdro.server.engine import MIN_PRIVATE_RECORDS, check_records
+
+    assert MIN_PRIVATE_RECORDS == 10
+    check_records(Config.from_mapping({**keys, "epsilon": 4.0}), 10)  # the minimum itself is accepted
+    check_records(Config.from_mapping({**keys, "epsilon": "inf"}), 1)  # no noise, no minimum
+
+
 # ---- dataset=image-folder ----
 IMAGE_KEYS = {"dataset": "image-folder", "image-size": 8, "image-channels": 1}
 
@@ -242,6 +315,54 @@ def test_image_folder_missing_folder_and_bad_keys_are_refused(tmp_path):
         Config.from_mapping({**IMAGE_KEYS, "image-channels": 3, "image-mean": "0.5", "image-std": "1,1,1"})
     with pytest.raises(ConfigError, match="config key 'image-channels': got 2"):
         Config.from_mapping({**IMAGE_KEYS, "image-channels": 2})
+
+
+def test_image_folder_reads_nested_sub_folders_as_torchvision_image_folder(image_root):
+    """Images in sub-folders of a class folder, at any depth, belong to the class, in ImageFolder's order
+    (before, only the files directly in the class folder were read)."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from dpdro.common.image_folder import IMAGE_EXTENSIONS
+
+    write_images(image_root / "train" / "top" / "2024" / "march", 7, 5, classes=("",))
+    write_images(image_root / "train" / "bottom" / "extra", 3, 6, classes=("",))
+    (image_root / "train" / "top" / "2024" / "UPPER.PNG").write_bytes((image_root / "train" / "top" / "000.png")
+                                                                    .read_bytes())
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    train = load_from_config(cfg, True)
+    reference = ImageFolder(str(image_root / "train"))
+    assert len(train) == len(reference) == 100 + 3 + 100 + 7 + 1
+    assert train.y.tolist() == reference.targets == [0] * 103 + [1] * 108
+    assert IMAGE_EXTENSIONS == IMG_EXTENSIONS
+    # the same pixels in the same order: the nested 'extra' images come after bottom's own files
+    first_nested = np.asarray(reference.loader(reference.samples[100][0]).convert("L"), dtype=np.float32)
+    assert train.x[100, 0].numpy() == pytest.approx(first_nested / 255 * 2 - 1, abs=1e-6)
+
+
+def test_image_folder_skipped_files_are_counted_in_the_log_and_the_summary(image_root, tmp_path, caplog):
+    """Files that are not images (other extensions, hidden files, files beside the class folders) are skipped,
+    counted over the training and test folders, logged once as a warning and reported as summary.json's
+    skipped_files (before, they were skipped without a count)."""
+    from dpdro.simulations.runner import run_one
+
+    (image_root / "train" / "top" / "notes.txt").write_text("not an image")
+    (image_root / "train" / "bottom" / "deep").mkdir()
+    (image_root / "train" / "bottom" / "deep" / ".DS_Store").write_bytes(b"\0")
+    (image_root / "train" / "README.md").write_text("beside the class folders")
+    (image_root / "test" / "top" / "labels.csv").write_text("a,b")
+    cfg = Config.from_mapping({**IMAGE_KEYS, "data-root": str(image_root)})
+    with caplog.at_level("WARNING", logger="dpdro.common.image_folder"):
+        train, test = load_from_config(cfg, True), load_from_config(cfg, False)
+    assert (len(train), len(test), train.skipped_files, test.skipped_files) == (200, 60, 4, 4)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # one per folder, not one per load
+    assert any("train: skipped 3 file(s) that are not images" in w and "top/notes.txt" in w for w in warnings)
+    out = tmp_path / "run"
+    keys = {**PRIVATE_RUN, **IMAGE_KEYS, "data-root": str(image_root), "out-dir": str(out), "iterations": 2,
+            "eval-every": 2}
+    assert run_one(keys) == (str(out), None)
+    assert json.loads((out / "summary.json").read_text())["skipped_files"] == 4
 
 
 # ---- user code by import path: model=module:factory, dataset=module:function ----

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..common.config import Config
+from ..common.config import SEEDED_NOT_PRIVATE, Config
 from .allocation import proxy_variance
 from .ledger import Ledger
 from .releaser import Releaser
@@ -19,7 +19,11 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
                 ledger: Ledger, releaser: Releaser, final: dict, setup, spider: dict, wall_seconds: float,
                 transport_name: str) -> dict:
     """summary.json of a finished run: the config's headline keys, the privacy accounting (target, spent, noise,
-    against the server), the final evaluation row ``final`` and the setup releases' results (``setup``)."""
+    against the server), the final evaluation row ``final`` and the setup releases' results (``setup``).
+
+    ``private`` is true only when the outputs are differentially private: a finite epsilon and secret seeds. A
+    run with noise derived from the saved seed (reproducible-for-testing) has ``private`` false while its epsilon
+    figures are those its mechanism would have with secret seeds."""
     return {
         "algorithm": cfg.algorithm, "dataset": cfg.dataset, "seed": cfg.seed, "num_clients": cfg.num_clients,
         "iterations": cfg.iterations, "n": n, "epsilon_target": cfg.epsilon, "epsilon_spent": final["epsilon_spent"],
@@ -42,7 +46,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "priors": list(setup.priors) if setup.priors is not None else None, "eta0": setup.eta0,
         "dro_clip": cfg.dro_clip, "spider_noise": spider,
         "output_iterate": cfg.output_iterate, "wall_seconds": wall_seconds, "transport": transport_name,
-        "private": cfg.private, "reproducible": cfg.reproducible,
+        "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
         "not_accounted": not_accounted(cfg, setup),
     }
 
@@ -51,6 +55,10 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
     """Who the epsilon of this run holds against (README: noise modes)."""
     if not cfg.private:
         return "not private: no noise anywhere"
+    if cfg.noise_from_saved_seed:
+        return (f"{SEEDED_NOT_PRIVATE}: reproducible=true (reproducible-for-testing): every noise draw and Poisson "
+                "sample derives from the seed saved in summary.json, so anyone with it can subtract the noise; "
+                "epsilon is what the same mechanism would give with secret seeds")
     if cfg.noise_mode == "central":
         return ("central: the server saw every client's clipped sum without noise (trusted); epsilon holds for "
                 "everything it released")
@@ -64,6 +72,9 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
 
 def not_accounted(cfg: Config, setup) -> list[str]:
     out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
+    if cfg.noise_from_saved_seed:
+        out.append(f"everything: {SEEDED_NOT_PRIVATE} (reproducible=true, for testing): the noise and samples can "
+                   "be recomputed from the seed in summary.json")
     if setup.prior_source == "public":
         out.append("class priors: declared public by the user (class-prior-values), not released from the data")
     if cfg.eval_split == "validation":

@@ -330,7 +330,8 @@ def test_relative_s_query_clips_the_scaled_storm_term_per_record(tmp_path):
     from dpdro.common.messages import Point, Query
 
     data = tiny_data(2)
-    cfg = Config.from_mapping({"algorithm": "recursive-spider", "reproducible": True, "dtype": "float64",
+    cfg = Config.from_mapping({"algorithm": "recursive-spider", "reproducible": True,
+                               "reproducible-for-testing": True, "dtype": "float64",
                                "loss-bound": 3.0, "s-clip-units": "relative"})
     worker = ShardWorker(cfg, data, 0)
     x0 = worker.model.initial().clone()

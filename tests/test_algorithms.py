@@ -43,7 +43,8 @@ def tiny_data(seed=0) -> ArrayDataset:
 def full_batch_cfg(tmp_path, **kw) -> Config:
     values = {"epsilon": "inf", "refresh-batch": N, "diff-batch": N, "s-batch": N, "num-clients": 2,
               "dtype": "float64", "reproducible": True, "iterations": 4, "q": 2, "eval-every": 4,
-              "out-dir": str(tmp_path / "run"), "lr-x": 0.3, "lr-eta": 0.2, "seed": 3}
+              "out-dir": str(tmp_path / "run"), "lr-x": 0.3, "lr-eta": 0.2, "seed": 3,
+              "reproducible-for-testing": True}  # for the callers that set a finite epsilon
     values.update({k.rstrip("_").replace("_", "-"): v for k, v in kw.items()})
     return Config.from_mapping(values)
 

@@ -85,7 +85,8 @@ def not_accounted(cfg: Config, setup) -> list[str]:
                    "release) is not modelled by the Gaussian accounting")
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
         out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
-                "floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)"]
+                "floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
+                "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
 
 

@@ -105,9 +105,9 @@ class ShardWorker:
         """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
         with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
-        local noise modes; the noise comes from the OS CSPRNG unless reproducible) and reports no count
-        (-1): the server is not trusted with it. ``versions`` maps the query's model version ids to flat
-        parameter arrays (d,). Raises KeyError if a version is missing."""
+        local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible)
+        and reports no count (-1): the server is not trusted with it. ``versions`` maps the query's model version
+        ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]

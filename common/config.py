@@ -28,6 +28,10 @@ from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is t
 ROLES = ("data", "runtime", "privacy", "algorithm")
 
 
+# What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).
+SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range.
 
@@ -425,8 +429,12 @@ FIELDS: tuple[Field, ...] = (
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1, role="data"),
-    Field("reproducible", "bool", False, "true: every random draw derives from seed (tests, equivalence); "
-          "false: sampling and noise from the OS CSPRNG.", role="privacy"),
+    Field("reproducible", "bool", False, "true: every random draw derives from seed (tests, equivalence); with a "
+          "finite epsilon only together with reproducible-for-testing. false: each draw site's PCG64 generator is "
+          "seeded from the OS CSPRNG and the seed is never saved.", role="privacy"),
+    Field("reproducible-for-testing", "bool", False, "Testing only: true allows reproducible=true with a finite "
+          "epsilon. Such a run is not private (its noise and samples derive from the seed that summary.json saves); "
+          "the log, summary.json and MODEL_CARD.md say so.", role="privacy"),
     Field("eval-every", "int", 50, "Evaluate (and report epsilon spent) every this many iterations.",
           low=1, role="runtime"),
     Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations, and always after the "
@@ -530,10 +538,24 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
 
     @property
     def private(self) -> bool:
-        """Whether the run is private (finite epsilon)."""
+        """Whether the run clips and adds noise (finite epsilon). See ``noise_from_saved_seed`` for the one case
+        where it does and is still not private."""
         return not math.isinf(self.epsilon)
 
+    @property
+    def noise_from_saved_seed(self) -> bool:
+        """Whether a run with a finite epsilon draws its noise and samples from ``seed`` (reproducible=true, allowed
+        only with reproducible-for-testing=true): summary.json saves the seed, so the run is not private."""
+        return self.private and self.reproducible
+
     def _check_combinations(self) -> None:
+        if self.noise_from_saved_seed and not self.reproducible_for_testing:
+            raise ConfigError(f"config key 'reproducible': got true with epsilon={self.epsilon:g}; allowed with a "
+                              "finite epsilon: false only (noise and Poisson samples would derive from 'seed', which "
+                              "summary.json saves, so anyone with the run folder could recompute the noise and "
+                              "subtract it); for a test or an equivalence check that needs it, set "
+                              "reproducible-for-testing=true as well (the run is then reported as "
+                              f"'{SEEDED_NOT_PRIVATE}'), or use epsilon=inf")
         if self.sampling != "poisson" and self.private:
             raise ConfigError(f"config key 'sampling': got {self.sampling!r}; allowed with a finite epsilon: "
                               "'poisson' only (fixed-size batches break the Poisson amplification the ledger "

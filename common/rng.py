@@ -5,9 +5,10 @@ being the iteration, the mechanism and the partition id (never a Flower node id)
 depend on the order in which replies arrive. Secret mode: each draw site gets a fresh PCG64 seeded with
 128 bits from the operating system's CSPRNG; the seed is never logged or saved.
 
-Caveat (Mironov 2012): Gaussian noise drawn in floating point is not an exact sample of the continuous
-Gaussian; the low-order bits of a released float can in principle leak. dpdro, like Opacus and
-TF-Privacy, does not correct for this.
+Caveat (Mironov 2012): Gaussian noise drawn in floating point by PCG64 is not an exact sample of the continuous
+Gaussian; the low-order bits of a released float can reveal the value under the noise. dpdro does not protect
+against such floating-point attacks on the Gaussian mechanism (Opacus' ``secure_mode`` does, with a CSPRNG and
+a sum of several Gaussian draws; dpdro has no such mode). The run summary lists it as not accounted.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def derived_rng(seed: int, *keys: int | str) -> np.random.Generator:
 
 
 def secret_rng() -> np.random.Generator:
-    """Generator seeded from the OS CSPRNG (128 bits)."""
+    """PCG64 generator seeded with 128 bits from the OS CSPRNG (``secrets``); its draws are PCG64's, not the
+    CSPRNG's."""
     return np.random.Generator(np.random.PCG64(secrets.randbits(128)))
 
 

@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpdro.common.config import FIELDS, Config, ConfigError, check_device, load_toml_keys, parse_set_args
+from dpdro.common.config import (
+    FIELDS,
+    SEEDED_NOT_PRIVATE,
+    Config,
+    ConfigError,
+    check_device,
+    load_toml_keys,
+    parse_set_args,
+)
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -360,7 +368,8 @@ def _print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
     start-up included) beside the training loop's (summary.json wall_seconds; over all sessions of a resumed
     run)."""
     eps = s["epsilon_spent"]
-    private = "" if s["private"] else "  (NOT PRIVATE: epsilon=inf)"
+    seeded = str(s.get("trust_model", "")).startswith(SEEDED_NOT_PRIVATE)  # reproducible-for-testing
+    private = "" if s["private"] else f"  ({SEEDED_NOT_PRIVATE.upper() if seeded else 'NOT PRIVATE: epsilon=inf'})"
     loop = f"training loop {s['wall_seconds']:.1f} s" + (" over all sessions" if resumed else "")
     split = s.get("eval_split", "test")
     print(f"done: {s['algorithm']} on {s['dataset']}: {split} accuracy {s['test_accuracy']:.4f}, worst-class "

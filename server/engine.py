@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import AUTO, Config, ConfigError, keys_with_role
+from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
@@ -196,6 +196,9 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
+    elif cfg.noise_from_saved_seed:
+        log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
+                    "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
     plan, noise, profiles = plan_run(cfg, algo, n, delta)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
     _note(progress, plan_line(n, delta, noise))
@@ -313,7 +316,8 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
                               if k.startswith(("csv-", "image-")) or k == "classes"},
             "priors": list(setup.priors) if setup.priors is not None else None, "posthoc_tau": cfg.posthoc_tau,
             "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
-            "eval_split": cfg.eval_split, "algorithm": cfg.algorithm, "private": cfg.private,
+            "eval_split": cfg.eval_split, "algorithm": cfg.algorithm,
+            "private": cfg.private and not cfg.noise_from_saved_seed,
             "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"]}
     if cfg.dataset == "csv":  # the training file's feature columns in input order: other files are read by name
         names = training_feature_names(resolve_data_root(cfg.data_root), cfg.to_dict())

@@ -134,6 +134,7 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
     per_class = summary["per_class_accuracy"]
     classes = model["classes"]
     private = summary["private"]
+    seeded = not private and not math.isinf(_number(summary["epsilon_target"]))  # noise from the saved seed
     split = summary.get("eval_split", "test")
     lines = [f"# Model card: {summary['algorithm']} on {model.get('data', summary['dataset'])}", "",
              "Written by dpdro when the run finished. Every figure comes from the run's own files (summary.json, "
@@ -155,7 +156,10 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
              f"- Algorithm: {summary['algorithm']}, {summary['iterations']} iterations, "
              + _dro_keys(summary) + f"seed {summary['seed']}, transport {summary['transport']}",
              "", "## Privacy", ""]
-    if private:
+    if seeded:
+        lines.append("- **NOT PRIVATE**: reproducible=true for testing: the noise and samples derive from the seed "
+                     "saved in summary.json; the figures below hold only for the same mechanism with secret seeds.")
+    if private or seeded:
         lines += [f"- (epsilon, delta) = ({_fmt_eps(summary['epsilon_spent'])}, {summary['delta']:.3g}) spent "
                   f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, record-level, add/remove "
                   f"adjacency, accountant {summary['accountant']}",

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..common.config import Config
+from ..common.config import SEEDED_NOT_PRIVATE, Config
 from .allocation import proxy_variance
 from .ledger import Ledger
 from .releaser import Releaser
@@ -20,7 +20,11 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
                 transport_name: str, skipped_files: int = 0) -> dict:
     """summary.json of a finished run: the config's headline keys, the privacy accounting (target, spent, noise,
     against the server), the final evaluation row ``final``, the setup releases' results (``setup``) and
-    ``skipped_files``, the files of the data set's folders not read as records (``ArrayDataset.skipped_files``)."""
+    ``skipped_files``, the files of the data set's folders not read as records (``ArrayDataset.skipped_files``).
+
+    ``private`` is true only when the outputs are differentially private: a finite epsilon and secret seeds. A
+    run with noise derived from the saved seed (reproducible-for-testing) has ``private`` false while its epsilon
+    figures are those its mechanism would have with secret seeds."""
     return {
         "algorithm": cfg.algorithm, "dataset": cfg.dataset, "seed": cfg.seed, "num_clients": cfg.num_clients,
         "iterations": cfg.iterations, "n": n, "epsilon_target": cfg.epsilon, "epsilon_spent": final["epsilon_spent"],
@@ -46,7 +50,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "priors": list(setup.priors) if setup.priors is not None else None, "eta0": setup.eta0,
         "dro_clip": cfg.dro_clip, "spider_noise": spider,
         "output_iterate": cfg.output_iterate, "wall_seconds": wall_seconds, "transport": transport_name,
-        "private": cfg.private, "reproducible": cfg.reproducible,
+        "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
         "not_accounted": not_accounted(cfg, setup),
     }
 
@@ -55,6 +59,10 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
     """Who the epsilon of this run holds against (README: noise modes)."""
     if not cfg.private:
         return "not private: no noise anywhere"
+    if cfg.noise_from_saved_seed:
+        return (f"{SEEDED_NOT_PRIVATE}: reproducible=true (reproducible-for-testing): every noise draw and Poisson "
+                "sample derives from the seed saved in summary.json, so anyone with it can subtract the noise; "
+                "epsilon is what the same mechanism would give with secret seeds")
     if cfg.noise_mode == "central":
         return ("central: the server saw every client's clipped sum without noise (trusted); epsilon holds for "
                 "everything it released")
@@ -70,6 +78,9 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     """What this run's epsilon does not cover (README: 'What is private'), one sentence each; ``setup`` gives the
     prior source. Includes each choice that config key chosen-on-private-data says was made on private records."""
     out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
+    if cfg.noise_from_saved_seed:
+        out.append(f"everything: {SEEDED_NOT_PRIVATE} (reproducible=true, for testing): the noise and samples can "
+                   "be recomputed from the seed in summary.json")
     if setup.prior_source == "public":
         out.append("class priors: declared public by the user (class-prior-values), not released from the data")
     if cfg.eval_split == "validation":
@@ -80,7 +91,8 @@ def not_accounted(cfg: Config, setup) -> list[str]:
                    "release) is not modelled by the Gaussian accounting")
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
         out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
-                "floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)"]
+                "floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
+                "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
 

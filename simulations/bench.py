@@ -345,7 +345,8 @@ def bench_flower(opts: BenchOptions) -> dict:
     iters = 10 if opts.quick else 30
     base = {"dataset": "mnist-st", "max-train-records": 8000, "max-test-records": 500, "num-clients": 4,
             "iterations": iters, "q": 5, "refresh-batch": 1024, "diff-batch": 512, "eval-every": iters,
-            "checkpoint-every": 0, "reproducible": True, "seed": 1, "threads": max(opts.threads, 1),
+            "checkpoint-every": 0, "reproducible": True, "reproducible-for-testing": True,
+            "seed": 1, "threads": max(opts.threads, 1),
             "device": opts.device, "chunk-size": opts.chunk_size}
     tmp = Path(tempfile.mkdtemp(prefix="dpdro-bench-"))
     threads_before = torch.get_num_threads()

@@ -16,7 +16,7 @@ os.environ.setdefault("FLWR_HOME", str(ROOT / ".flwr"))
 SMALL = {
     "dataset": "mnist-st", "max-train-records": 3000, "max-test-records": 1000, "num-clients": 3,
     "iterations": 6, "q": 3, "refresh-batch": 300, "diff-batch": 150, "eval-every": 3,
-    "reproducible": True, "dtype": "float64", "threads": 1, "seed": 7,
+    "reproducible": True, "reproducible-for-testing": True, "dtype": "float64", "threads": 1, "seed": 7,
 }
 
 

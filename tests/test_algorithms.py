@@ -43,7 +43,8 @@ def tiny_data(seed=0) -> ArrayDataset:
 def full_batch_cfg(tmp_path, **kw) -> Config:
     values = {"epsilon": "inf", "refresh-batch": N, "diff-batch": N, "s-batch": N, "num-clients": 2,
               "dtype": "float64", "reproducible": True, "iterations": 4, "q": 2, "eval-every": 4,
-              "out-dir": str(tmp_path / "run"), "lr-x": 0.3, "lr-eta": 0.2, "seed": 3}
+              "out-dir": str(tmp_path / "run"), "lr-x": 0.3, "lr-eta": 0.2, "seed": 3,
+              "reproducible-for-testing": True}  # for the callers that set a finite epsilon
     values.update({k.rstrip("_").replace("_", "-"): v for k, v in kw.items()})
     return Config.from_mapping(values)
 
@@ -330,7 +331,8 @@ def test_relative_s_query_clips_the_scaled_storm_term_per_record(tmp_path):
     from dpdro.common.messages import Point, Query
 
     data = tiny_data(2)
-    cfg = Config.from_mapping({"algorithm": "recursive-spider", "reproducible": True, "dtype": "float64",
+    cfg = Config.from_mapping({"algorithm": "recursive-spider", "reproducible": True,
+                               "reproducible-for-testing": True, "dtype": "float64",
                                "loss-bound": 3.0, "s-clip-units": "relative"})
     worker = ShardWorker(cfg, data, 0)
     x0 = worker.model.initial().clone()

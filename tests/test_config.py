@@ -107,6 +107,27 @@ def test_combination_checks_and_updates():
         cfg.with_updates({"psi": "nope"})
 
 
+def test_reproducible_private_run_is_refused_unless_for_testing(tmp_path, capsys):
+    """reproducible=true with a finite epsilon derives noise and samples from the saved seed: refused before any
+    work, naming the key, the value, why and what is allowed, unless reproducible-for-testing=true says the run
+    is a test (it is then marked not private); with epsilon=inf nothing is hidden and no extra key is needed."""
+    from dpdro.cli import main
+
+    with pytest.raises(ConfigError) as refused:
+        Config.from_mapping({"reproducible": True, "epsilon": 2.0})
+    msg = str(refused.value)
+    for part in ("config key 'reproducible': got true with epsilon=2", "allowed with a finite epsilon: false only",
+                 "summary.json saves", "subtract it", "reproducible-for-testing=true", "epsilon=inf"):
+        assert part in msg
+    out = tmp_path / "run"
+    assert main(["train", "--set", "reproducible=true", f"out-dir={out}"]) == 2
+    assert "reproducible-for-testing" in capsys.readouterr().err and not out.exists()
+    cfg = Config.from_mapping({"reproducible": True, "reproducible-for-testing": True, "epsilon": 2.0})
+    assert cfg.private and cfg.noise_from_saved_seed
+    assert not Config.from_mapping({"reproducible": True, "epsilon": "inf"}).noise_from_saved_seed
+    assert not Config.from_mapping({"reproducible-for-testing": True}).noise_from_saved_seed
+
+
 def test_parse_set_args():
     out = parse_set_args(["psi=kl", "lambda = 0.5", "out-dir='runs/x=1'", 'dataset="mnist"'])
     assert out == {"psi": "kl", "lambda": "0.5", "out-dir": "runs/x=1", "dataset": "mnist"}

@@ -229,7 +229,7 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
         "dataset": "csv", "partition": "node-local", "classes": "lo,hi", "csv-bounds": "0:1",
         "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 2, "iterations": 4,
         "q": 2, "refresh-batch": 60, "diff-batch": 30, "epsilon": 8.0, "eval-every": 2, "threads": 1,
-        "reproducible": True, "out-dir": str(out), "round-timeout": 300.0})
+        "reproducible": True, "reproducible-for-testing": True, "out-dir": str(out), "round-timeout": 300.0})
     summary, outcome = deploy_config(cfg, 2, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
                                      node_data_roots=[str(p) for p in sites])
     assert outcome.ok

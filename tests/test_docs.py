@@ -101,3 +101,33 @@ def test_no_doc_says_reading_or_choosing_on_private_splits_is_free():
             if any(f in sentence for f in FREE) and private.search(sentence):
                 assert "not accounted" in sentence or "not private" in sentence, (
                     f"{path.relative_to(ROOT)}: {sentence!r}")
+
+
+# Claims about randomness that were false of the code: the noise comes from numpy's PCG64 seeded from the OS
+# CSPRNG (common/rng.py), not from the CSPRNG itself; and Opacus' secure_mode does resist floating-point attacks
+# on the Gaussian mechanism (Mironov 2012), which dpdro does not.
+WRONG_CLAIMS = {
+    r"\b(?:noise|draws?|samples?|sampling)\b(?: (?:all )?(?:comes?|is drawn|are drawn))? from the "
+    r"(?:OS|operating system's) CSPRNG": "the noise comes from PCG64 seeded from the OS CSPRNG, not the CSPRNG",
+    r"\ball noise comes from": "the noise comes from PCG64 seeded from the OS CSPRNG",
+    r"\bnoise \((?:the )?OS CSPRNG": "the noise comes from PCG64 seeded from the OS CSPRNG, not the CSPRNG",
+    r"\b(?:as in|like) Opacus\b": "Opacus' secure_mode protects against floating-point attacks; dpdro does not",
+}
+
+
+def test_docs_and_sources_make_no_wrong_randomness_claims():
+    """README.md, docs/*.md and the Python sources (docstrings, comments, help text) never say that the noise comes
+    from the OS CSPRNG or that dpdro handles floating-point attacks 'as in Opacus' (case-insensitive; a phrase
+    broken across lines, comment lines or adjacent string literals counts)."""
+    import re
+
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files += [p for folder in SOURCE_FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))
+              if p != Path(__file__).resolve()]
+    assert len(files) > 100
+    found = []
+    for path in files:
+        flat = re.sub(r"\s*#\s*|\s+", " ", re.sub(r'"\s+"', " ", path.read_text()))
+        found += [f"{path.relative_to(ROOT)}: '{m.group()}' ({why})" for pattern, why in WRONG_CLAIMS.items()
+                  for m in re.finditer(pattern, flat, re.IGNORECASE)]
+    assert not found, "\n".join(found)

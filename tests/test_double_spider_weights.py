@@ -171,7 +171,8 @@ def test_run_events_record_the_capped_sensitivity(tmp_path):
     data = ArrayDataset(torch.rand(n, 1, 28, 28, generator=g, dtype=torch.float64), torch.arange(n) % k, k, "tiny")
     cfg = Config.from_mapping({
         "algorithm": "dp-double-spider", "epsilon": 50.0, "delta": 1e-3, "refresh-batch": 12, "diff-batch": 12,
-        "num-clients": 2, "dtype": "float64", "reproducible": True, "iterations": 3, "q": 1, "eval-every": 3,
+        "num-clients": 2, "dtype": "float64", "reproducible": True, "reproducible-for-testing": True,
+        "iterations": 3, "q": 1, "eval-every": 3,
         "dro-clip": "weight-after-clip", "weight-cap": 2.0, "eta-clip-rule": "weight-bound", "clip-x": 0.5,
         "eta-init": 0.0, "loss-bound": 4.0, "out-dir": str(tmp_path / "run"), "seed": 1})
     train(cfg, LocalTransport(cfg, data), data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -62,6 +63,36 @@ def test_non_private_run_says_so(small_config):
     assert result.summary["epsilon_spent"] == float("inf")
     assert any("not private" in s for s in result.summary["not_accounted"])
     assert not any(s.startswith("n and the clients' shard sizes") for s in result.summary["not_accounted"])
+
+
+def test_run_with_noise_from_the_saved_seed_says_not_private_everywhere(small_config, tmp_path, caplog, capsys):
+    """A private run with reproducible-for-testing (as SMALL) draws its noise from the seed that summary.json
+    saves: the log, the done line, summary.json (private, trust_model, not_accounted) and MODEL_CARD.md say
+    'not private: noise derived from the saved seed'; a run with secret seeds says none of it."""
+    from dpdro.cli import main
+    from dpdro.common.config import SEEDED_NOT_PRIVATE
+
+    run = tmp_path / "seeded"
+    keys = {**SMALL, "iterations": 3, "out-dir": str(run)}
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--set", *(f"{k}={v}" for k, v in keys.items())]) == 0
+    assert SEEDED_NOT_PRIVATE == "not private: noise derived from the saved seed"
+    assert any(SEEDED_NOT_PRIVATE in r.getMessage() and "seed 7" in r.getMessage() for r in caplog.records)
+    assert "(NOT PRIVATE: NOISE DERIVED FROM THE SAVED SEED)" in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["private"] is False and summary["reproducible"] is True and summary["seed"] == 7
+    assert 0.99 * 4.0 <= summary["epsilon_spent"] <= 4.0  # the mechanism's figure, were the seed secret
+    assert summary["trust_model"].startswith(SEEDED_NOT_PRIVATE)
+    assert summary["not_accounted"][0].startswith(f"everything: {SEEDED_NOT_PRIVATE}")
+    assert json.loads((run / "model.json").read_text())["private"] is False
+    card = (run / "MODEL_CARD.md").read_text()
+    assert "**NOT PRIVATE**: reproducible=true for testing" in card and SEEDED_NOT_PRIVATE in card
+    caplog.clear()
+    secret = run_local(small_config(iterations=3, reproducible=False, out_dir=str(tmp_path / "secret")))
+    assert secret.summary["private"] is True
+    assert not any(SEEDED_NOT_PRIVATE in r.getMessage() for r in caplog.records)
+    assert not any(SEEDED_NOT_PRIVATE in s for s in [secret.summary["trust_model"], *secret.summary["not_accounted"]])
+    assert "NOT PRIVATE" not in (tmp_path / "secret" / "MODEL_CARD.md").read_text()
 
 
 def _independent_epsilon(events, delta):

@@ -4,6 +4,7 @@ Fashion-MNIST-ST and CelebA, its report and plots, resumability, and the federat
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -49,6 +50,11 @@ def test_equivalence_command_on_mnist_st(tmp_path, flower_superlink):
     row = compare("mnist-st", tmp_path, {"max-train-records": 600, "max-test-records": 200, "refresh-batch": 60,
                                          "diff-batch": 30})
     assert row["max_abs_param_diff"] <= 1e-6 and row["epsilon_diff"] <= 1e-9 and row["transport"] == "flower"
+    # reproducible-for-testing reached the ServerApp through Flower's run config, and the run says what it is
+    from dpdro.common.config import SEEDED_NOT_PRIVATE
+
+    summary = json.loads((tmp_path / "mnist-st" / "flower" / "summary.json").read_text())
+    assert summary["private"] is False and summary["trust_model"].startswith(SEEDED_NOT_PRIVATE)
     text = write_table([row], {"cifar10-st": "data files not available here"}, tmp_path).read_text()
     assert "| mnist-st | 600 |" in text and "cifar10-st | not run" in text
 

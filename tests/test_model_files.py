@@ -61,7 +61,7 @@ def overlap():
 
 KEYS = {"dataset": "overlap-3", "algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 8, "refresh-batch": 120,
         "lr-x": 2.0, "clip-x": 1.0, "num-clients": 2, "eval-every": 4, "checkpoint-every": 0, "reproducible": True,
-        "threads": 1, "seed": 5, "dtype": "float32", "posthoc-tau": 1.0}
+        "reproducible-for-testing": True, "threads": 1, "seed": 5, "dtype": "float32", "posthoc-tau": 1.0}
 
 
 def _set_args(keys: dict) -> list[str]:
@@ -385,7 +385,7 @@ def test_a_csv_run_names_its_classes_and_evaluate_reports_the_worst_group(tmp_pa
     run = tmp_path / "run"
     keys = {**CSV_KEYS, "data-root": tmp_path / "data", "algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 20,
             "refresh-batch": 100, "diff-batch": 100, "num-clients": 2, "eval-every": 20, "checkpoint-every": 0,
-            "reproducible": True, "threads": 1, "seed": 1, "out-dir": run}
+            "reproducible": True, "reproducible-for-testing": True, "threads": 1, "seed": 1, "out-dir": run}
     summary = _cli_train(keys)
     meta = json.load(open(run / "model.json"))
     assert (meta["factory"], meta["classes"], meta["input_shape"]) == ("mlp", ["no", "yes"], [2])

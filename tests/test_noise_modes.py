@@ -25,7 +25,8 @@ DRAWS = 600
 
 def _workers(m: int, mode: str) -> list[ShardWorker]:
     gen = torch.Generator().manual_seed(1)
-    cfg = Config.from_mapping({"reproducible": True, "noise-mode": mode, "num-clients": m})
+    cfg = Config.from_mapping({"reproducible": True, "reproducible-for-testing": True,
+                               "noise-mode": mode, "num-clients": m})
     return [ShardWorker(cfg, ArrayDataset(torch.zeros(25, 1, 28, 28), torch.randint(0, 10, (25,), generator=gen),
                                           10, "t"), pid) for pid in range(m)]
 
@@ -98,7 +99,8 @@ def test_client_noise_is_seeded_from_the_os_csprng_unless_reproducible(monkeypat
     b = secret.answer(_histogram_query(3, 1.0), {0: np.zeros(1)}).total
     assert calls and all(k == 128 for k in calls) and not np.array_equal(a, b)
     calls.clear()
-    seeded = ShardWorker(Config.from_mapping({"noise-mode": "local", "reproducible": True}), data, 0)
+    seeded = ShardWorker(Config.from_mapping({"noise-mode": "local", "reproducible": True,
+                                              "reproducible-for-testing": True}), data, 0)
     c = seeded.answer(_histogram_query(3, 1.0), {0: np.zeros(1)}).total
     d = seeded.answer(_histogram_query(3, 1.0), {0: np.zeros(1)}).total
     assert np.array_equal(c, d) and not calls

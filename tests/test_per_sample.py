@@ -136,7 +136,8 @@ def test_worker_difference_sum_equals_autograd(setup, clip, engine):
     clip(value at points[0] - value at points[1]), with either per-record gradient engine."""
     module, fm, x, y, flat0, flat1 = setup
     cfg = Config.from_mapping({"dtype": "float64", "seed": SEED, "psi": "chi2", "lambda": 0.7,
-                               "eta-scale": 2.0, "reproducible": True, "chunk-size": 4,
+                               "eta-scale": 2.0, "reproducible": True, "reproducible-for-testing": True,
+                               "chunk-size": 4,
                                "per-record-engine": engine})
     worker = ShardWorker(cfg, ArrayDataset(x, y, 10, "synthetic"), partition=0)
     eta0, eta1 = 1.0, 1.2
@@ -162,7 +163,8 @@ def test_worker_refresh_sum_equals_autograd(setup, clip, engine):
     with the single-record autograd reference, with either engine, at a clip that binds and at none."""
     module, fm, x, y, flat0, flat1 = setup
     cfg = Config.from_mapping({"dtype": "float64", "seed": SEED, "psi": "chi2", "lambda": 0.7,
-                               "eta-scale": 2.0, "reproducible": True, "chunk-size": 4,
+                               "eta-scale": 2.0, "reproducible": True, "reproducible-for-testing": True,
+                               "chunk-size": 4,
                                "per-record-engine": engine})
     worker = ShardWorker(cfg, ArrayDataset(x, y, 10, "synthetic"), partition=0)
     assert callable(getattr(QUANTITIES["dual-x"], "rows", None))

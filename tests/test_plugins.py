@@ -24,7 +24,8 @@ TOYS = ((ALGORITHM_SPECS, "toy-momentum"), (ALGORITHMS, "toy-momentum"), (QUANTI
         (DATASETS, "toy-blobs"), (MODELS, "toy-linear"))
 TOY_RUN = {"algorithm": "toy-momentum", "dataset": "toy-blobs", "model": "auto", "epsilon": 4.0,
            "iterations": 30, "refresh-batch": 100, "diff-batch": 50, "lr-x": 0.5, "clip-x": 1.0, "num-clients": 2,
-           "eval-every": 30, "checkpoint-every": 0, "reproducible": True, "threads": 1, "seed": 3}
+           "eval-every": 30, "checkpoint-every": 0, "reproducible": True, "reproducible-for-testing": True,
+           "threads": 1, "seed": 3}
 
 
 def _unregister() -> None:

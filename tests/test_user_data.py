@@ -18,7 +18,7 @@ from dpdro.common.data import DataError, load_from_config
 # A private run small enough for a test: dp-sgd, epsilon 4, 40 iterations of ~100 records.
 PRIVATE_RUN = {"algorithm": "dp-sgd", "epsilon": 4.0, "iterations": 40, "refresh-batch": 100, "diff-batch": 50,
                "lr-x": 1.0, "clip-x": 1.0, "num-clients": 2, "eval-every": 40, "checkpoint-every": 0,
-               "reproducible": True, "threads": 1, "seed": 1}
+               "reproducible": True, "reproducible-for-testing": True, "threads": 1, "seed": 1}
 
 
 def write_csv(path: Path, rows: list[list], header: list[str]) -> Path:

@@ -299,7 +299,7 @@ def test_clipped_fraction_coordinate_estimates_the_clipped_count(tmp_path):
 
     gen = torch.Generator().manual_seed(0)
     data = ArrayDataset(torch.rand(40, 1, 28, 28, generator=gen), torch.randint(0, 10, (40,), generator=gen), 10, "t")
-    cfg = Config.from_mapping({"reproducible": True, "dtype": "float64"})
+    cfg = Config.from_mapping({"reproducible": True, "reproducible-for-testing": True, "dtype": "float64"})
     worker = ShardWorker(cfg, data, 0)
     q = Query(0, "grad", "ce-grad", (Point(0, 0.0),), 1.0, 0.05, worker.model.dim, count_scale=0.1)
     flat = worker.model.initial().numpy()

@@ -44,7 +44,8 @@ def csv_cfg(tmp_path) -> Config:
     _write_csv(tmp_path / "data" / "test.csv", 100, 2)
     return Config.from_mapping({"dataset": "csv", "csv-bounds": "0:10", "data-root": str(tmp_path / "data"),
                                 "cache-dir": str(tmp_path / "c"),
-                                "num-clients": 2, "reproducible": True, "seed": 3, "threads": 1})
+                                "num-clients": 2, "reproducible": True, "reproducible-for-testing": True,
+                                "seed": 3, "threads": 1})
 
 
 def _daemon_pids(log_file: Path) -> list[int]:

@@ -9,7 +9,8 @@ which keeps torch imported and the node's ``ShardWorker`` (shard and model) buil
 What stays in the ClientApp, unchanged: configuration and partition checks, the model versions in
 ``context.state`` (sent along with every request), the 'missing model versions' check, the reply. The warm
 worker is a pure function of (config, partition, queries, versions): ``ShardWorker.answer`` as before, so the
-releases, their noise (OS CSPRNG or the reproducible seed) and the ledger are the same as in the ClientApp.
+releases, their noise (PCG64 seeded from the OS CSPRNG, or from the reproducible seed) and the ledger are the
+same as in the ClientApp.
 
 - One warm worker per node: keyed by the SuperExec that launches the node's ClientApps (the ClientApp's parent),
   the Flower node id and a fingerprint of dpdro's source files (an edited installation starts a new one).

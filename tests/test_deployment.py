@@ -144,9 +144,10 @@ def test_fleet_gateway_forwards_only_fleet_calls():
 # ----- loopback deployment (real processes, real data) --------------------------------------------------
 @pytest.mark.flower
 @pytest.mark.data
-def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
+def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path, monkeypatch):
     """2 iterations with q=2: one refresh and one difference release of both eta and x (4 message rounds),
-    so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment."""
+    so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment; every process it starts
+    (SuperLink, Fleet gateway, SuperNodes, their executors and apps) listens on 127.0.0.1 only."""
     from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
     from dpdro.launch.deploy import CONNECTION, LoopbackDeployment, alive, override_string
@@ -160,26 +161,28 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     cfg = cfg.with_updates({"data-root": data_root, "cache-dir": cache_dir})
     node_cfg = {"data-root": data_root, "cache-dir": cache_dir}
     dep = LoopbackDeployment(tmp_path / "deploy", 2, [node_cfg, node_cfg])
-    try:
-        dep.start()
-        cmd = " ".join(dep.superlink_command())
-        for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
-                     "--disable-runtime-dependency-installation"):
-            assert flag in cmd
-        assert "--insecure" not in cmd
-        assert 'partition-id=1 num-partitions=2' in " ".join(dep.supernode_command(1))
-        assert dep.online_nodes() == 2
-        nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
-        assert len(nodes) == 2
-        started = dep.pids()
-        assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
-        _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
-        outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
-        assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
-    finally:
-        left = dep.stop()
+    with _listeners(monkeypatch) as seen:
+        try:
+            dep.start()
+            cmd = " ".join(dep.superlink_command())
+            for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
+                         "--disable-runtime-dependency-installation"):
+                assert flag in cmd
+            assert "--insecure" not in cmd
+            assert 'partition-id=1 num-partitions=2' in " ".join(dep.supernode_command(1))
+            assert dep.online_nodes() == 2
+            nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
+            assert len(nodes) == 2
+            started = dep.pids()
+            assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
+            _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
+            outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
+            assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
+        finally:
+            left = dep.stop()
     assert left == []
     assert not any(alive(pid) for pid in started)
+    _assert_loopback_only(seen, ("flower-superlink", "fleet_gateway", "flower-supernode"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["transport"] == "flower"
     assert summary["num_clients"] == 2 and summary["iterations"] == 2
@@ -503,6 +506,76 @@ def test_sigterm_to_dpdro_deploy_stops_every_child(tmp_path):
 def test_sigterm_to_dpdro_simulate_stops_every_child(tmp_path):
     sets = [f"{k}={v}" for k, v in {**_tiny_run(tmp_path / "run"), "iterations": 50}.items()]
     _sigterm_leaves_nothing(tmp_path, ["simulate", "--quiet", "--set", *sets], busy=("raylet",))
+
+
+# ----- nothing the product starts listens beyond loopback ------------------------------------------------------
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+@contextlib.contextmanager
+def _listeners(monkeypatch):
+    """Within the block, the TCP listeners of every process started with a marker that ``monkeypatch`` puts in
+    this process's environment (every launcher passes its environment on, so each descendant inherits it, Ray's
+    included), sampled every 0.2 s: a dict address -> {(port, program)}. Skips the test where this platform does
+    not let a process read its own listening sockets (/proc/<pid>/net/tcp and /proc/<pid>/fd)."""
+    import socket
+    import sys
+    import threading
+    import uuid
+
+    from dpdro.launch.processes import listening_sockets
+
+    with socket.socket() as probe:  # the reader must see a listener of our own, else the check would be empty
+        probe.bind(("127.0.0.1", 0))
+        probe.listen()
+        if ("127.0.0.1", probe.getsockname()[1]) not in {(a, p) for _, a, p in listening_sockets([os.getpid()])}:
+            pytest.skip(f"cannot read listening sockets through /proc on {sys.platform}")
+    marker = f"DPDRO_LISTEN_TEST={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    seen: dict[str, set[tuple[int, str]]] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            marked = _marked(marker)
+            for pid, addr, port in listening_sockets(marked):
+                program = " ".join(Path(arg).name for arg in marked[pid].split()[:3])
+                seen.setdefault(addr, set()).add((port, program))
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+
+
+def _assert_loopback_only(seen: dict, programs: tuple[str, ...]) -> None:
+    """Every listener in ``seen`` (``_listeners``) is on 127.0.0.1 or ::1, and each of ``programs`` was seen
+    listening (the check looked at the processes that matter)."""
+    wide = {addr: sorted(found) for addr, found in seen.items() if addr not in LOOPBACK}
+    assert wide == {}, f"listening beyond loopback: {wide}"
+    names = " | ".join(program for found in seen.values() for _, program in found)
+    assert all(p in names for p in programs), f"expected listeners of {programs}, saw {names}"
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_simulate_listens_on_loopback_only(tmp_path, monkeypatch):
+    """During `dpdro simulate` the SuperLink, the simulation (Ray's driver), Ray's GCS, raylet, runtime-env agent
+    and workers listen on 127.0.0.1 only. (Before: Ray's GCS, raylets, driver and workers listened on '::', every
+    interface, and its runtime-env agent on the machine's address.)"""
+    from dpdro.common.config import Config
+    from dpdro.launch import simulate
+
+    monkeypatch.delenv(simulate.RAY_LOOPBACK_ONLY, raising=False)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    with _listeners(monkeypatch) as seen:
+        summary = simulate.run_simulation(Config.from_mapping(_tiny_run(tmp_path / "run")), app_dir=ROOT,
+                                          stream=False)
+    assert summary["transport"] == "flower" and summary["iterations"] == 1
+    _assert_loopback_only(seen, ("flower-superlink", "flwr-simulation", "gcs_server", "raylet", "ray::"))
 
 
 def test_flwr_json_output_is_read_alike_by_every_launcher():

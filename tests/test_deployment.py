@@ -216,7 +216,10 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
     the feature space) named only in its node config (data-root, dataset), partition='node-local': nothing is
     partitioned centrally, the server holds only its evaluation file and learns the shard sizes, so the ledger's
     n is 120 + 80; the global model trains (test accuracy from 0.47 at iteration 0 to >= 0.7 after 4 iterations).
-    Each node reads every record of its file: nobody evaluates on a site's records."""
+    Each node reads every record of its file: nobody evaluates on a site's records. A third SuperNode's data
+    folder is empty (its data cannot be loaded): with on-client-failure=drop and min-clients=2 the run goes on
+    without it from the start, its records not in n, every release from the other two. (Before: the whole run
+    failed at the nodes' start-up, naming only the Flower node id.)"""
     import numpy as np
 
     from dpdro.common.config import Config
@@ -225,19 +228,23 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
     sites = [tmp_path / "site1" / "records.csv", tmp_path / "site2" / "records.csv"]
     _site_csv(sites[0], 120, 1, 0.0, 0.5)
     _site_csv(sites[1], 80, 2, 0.5, 1.0)
+    (tmp_path / "site3").mkdir()  # a site whose records are gone
     server_eval = tmp_path / "server" / "eval.csv"  # public evaluation data (its 20% test split is evaluated)
     _site_csv(server_eval, 500, 3, 0.0, 1.0)
     out = tmp_path / "run"
     cfg = Config.from_mapping({
         "dataset": "csv", "partition": "node-local", "classes": "lo,hi", "csv-bounds": "0:1",
-        "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 2, "iterations": 4,
+        "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 3, "iterations": 4,
         "q": 2, "refresh-batch": 60, "diff-batch": 30, "epsilon": 8.0, "eval-every": 2, "threads": 1,
-        "reproducible": True, "out-dir": str(out), "round-timeout": 300.0})
-    summary, outcome = deploy_config(cfg, 2, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
-                                     node_data_roots=[str(p) for p in sites])
-    assert outcome.ok
+        "reproducible": True, "out-dir": str(out), "round-timeout": 300.0, "on-client-failure": "drop",
+        "min-clients": 2})
+    summary, outcome = deploy_config(cfg, 3, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
+                                     node_data_roots=[*(str(p) for p in sites), str(tmp_path / "site3")])
+    assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
     assert json.loads((out / "config.json").read_text())["n"] == 200  # the sum of the two shards
-    assert summary["transport"] == "flower" and summary["num_clients"] == 2
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["clients"] for e in events] == [2] * 8  # every release from the two sites that hold records
+    assert summary["transport"] == "flower" and summary["num_clients"] == 3
     assert summary["delta"] == pytest.approx(1 / 2000)  # auto: 1/(10 n) with n = 200
     assert 7.9 <= summary["epsilon_spent"] <= 8.0 + 1e-9
     assert summary["releases"] == {"eta-refresh": 2, "x-refresh": 2, "eta-diff": 2, "x-diff": 2}

@@ -92,6 +92,51 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
+def _address(hex_addr: str) -> str:
+    """The address of a /proc/net/tcp{,6} entry ('0100007F' -> '127.0.0.1'; 32 hex digits -> IPv6 text)."""
+    import ipaddress
+
+    raw = bytes.fromhex(hex_addr)
+    # the kernel prints each 32-bit word in host byte order (little-endian on every platform Linux runs us on)
+    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def _fd_links(pid: int) -> list[str]:
+    """Targets of /proc/<pid>/fd/* ('socket:[inode]', paths, ...); empty when the process cannot be read. A
+    descriptor closed while listing (the listing's own, in this process) is skipped."""
+    links = []
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return links
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(fd))
+    return links
+
+
+def listening_sockets(pids: Iterable[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state held by one of ``pids`` (IPv4 and IPv6, read
+    from /proc/<pid>/net/tcp{,6} and /proc/<pid>/fd; processes that exited or cannot be read are skipped).
+    Addresses as text: '127.0.0.1', '::1', '0.0.0.0' or '::' (every interface); an IPv4-mapped IPv6 address as
+    its IPv4 address."""
+    out = []
+    for pid in pids:
+        inodes = {link[8:-1] for link in _fd_links(pid) if link.startswith("socket:[")}
+        for table in ("tcp", "tcp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                f = line.split()
+                if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                    addr, port = f[1].rsplit(":", 1)
+                    out.append((pid, _address(addr), int(port, 16)))
+    return out
+
+
 def listener_pids(port: int, candidates: Iterable[int]) -> list[int]:
     """Those of ``candidates`` that hold a socket listening on TCP ``port`` (checked through
     /proc/<pid>/fd; only our own processes are readable, which is all we ask about)."""

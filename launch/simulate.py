@@ -10,9 +10,11 @@ port 39091 (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``), so another checkout's Super
 with *its* code. Instead this module starts ``flower-superlink --simulation`` (the command Flower's CLI
 uses for ``:local:``, in-memory state) on a free port chosen at start, checks that the process listening on
 that port is the one it started (/proc), and points ``flwr`` at it with an explicit connection in a private
-CLI FLWR_HOME. It is stopped, with every descendant (SuperExec, the simulation, Ray), when the run ends,
-fails, or the process gets SIGTERM/SIGINT; ``keep_superlink=True`` keeps it for the next call in this
-process only (stopped at exit).
+CLI FLWR_HOME. Nothing it starts listens beyond 127.0.0.1: the SuperLink is given ``--host 127.0.0.1``, and Ray
+runs as a single-machine node on 127.0.0.1 (``RAY_LOOPBACK_ONLY``; an environment that sets that variable to 1
+asks for Ray's cluster mode, which listens on every interface). It is stopped, with every descendant
+(SuperExec, the simulation, Ray), when the run ends, fails, or the process gets SIGTERM/SIGINT;
+``keep_superlink=True`` keeps it for the next call in this process only (stopped at exit).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ CONNECTION = "dpdro-local"
 # Flower's reason for failing a run whose app stopped sending heartbeats to the SuperLink (flwr 1.42).
 HEARTBEAT_LOST = "No heartbeat received"
 STARTUP_TIMEOUT = 60.0
+# Ray's switch between a single-machine and a cluster node (ray._private.ray_constants.ENABLE_RAY_CLUSTER; on by
+# default on Linux). Off, Ray takes 127.0.0.1 as the node's address, and its GCS, raylet (node and object manager),
+# runtime-env agent, driver and workers then listen on 127.0.0.1 only; on, they listen on every interface (measured
+# with Ray 2.55 under Flower 1.42: eight listeners on '::' and one on the machine's address during a 3-node run).
+# Flower 1.42's federation config cannot pass Ray's ``_node_ip_address`` (it carries only num-cpus, num-gpus,
+# logging-level and log-to-driver into ``ray.init``), and Ray replaces 127.0.0.1 given there by the machine's
+# address in cluster mode anyway (``services.resolve_ip_for_localhost``).
+RAY_LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class SimulationError(RuntimeError):
@@ -230,6 +240,7 @@ def run_app(app_dir: Path, run_config: str, num_supernodes: int, *, stream: bool
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    env.setdefault(RAY_LOOPBACK_ONLY, "0")  # Ray on 127.0.0.1 only (module docstring)
     fed = f"num-supernodes={num_supernodes} client-resources-num-cpus=1"
     log_proc = None
     ok = False

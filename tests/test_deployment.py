@@ -144,9 +144,10 @@ def test_fleet_gateway_forwards_only_fleet_calls():
 # ----- loopback deployment (real processes, real data) --------------------------------------------------
 @pytest.mark.flower
 @pytest.mark.data
-def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
+def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path, monkeypatch):
     """2 iterations with q=2: one refresh and one difference release of both eta and x (4 message rounds),
-    so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment."""
+    so every mechanism of DP Double-SPIDER crosses the TLS + authenticated deployment; every process it starts
+    (SuperLink, Fleet gateway, SuperNodes, their executors and apps) listens on 127.0.0.1 only."""
     from dpdro.common.config import Config, toml_value
     from dpdro.common.data import resolve_cache_dir, resolve_data_root
     from dpdro.launch.deploy import CONNECTION, LoopbackDeployment, alive, override_string
@@ -160,26 +161,28 @@ def test_loopback_tls_auth_deployment_runs_dp_double_spider(tmp_path):
     cfg = cfg.with_updates({"data-root": data_root, "cache-dir": cache_dir})
     node_cfg = {"data-root": data_root, "cache-dir": cache_dir}
     dep = LoopbackDeployment(tmp_path / "deploy", 2, [node_cfg, node_cfg])
-    try:
-        dep.start()
-        cmd = " ".join(dep.superlink_command())
-        for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
-                     "--disable-runtime-dependency-installation"):
-            assert flag in cmd
-        assert "--insecure" not in cmd
-        assert 'partition-id=1 num-partitions=2' in " ".join(dep.supernode_command(1))
-        assert dep.online_nodes() == 2
-        nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
-        assert len(nodes) == 2
-        started = dep.pids()
-        assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
-        _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
-        outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
-        assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
-    finally:
-        left = dep.stop()
+    with _listeners(monkeypatch) as seen:
+        try:
+            dep.start()
+            cmd = " ".join(dep.superlink_command())
+            for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
+                         "--disable-runtime-dependency-installation"):
+                assert flag in cmd
+            assert "--insecure" not in cmd
+            assert 'partition-id=1 num-partitions=2' in " ".join(dep.supernode_command(1))
+            assert dep.online_nodes() == 2
+            nodes = json.loads(dep.flwr("supernode", "list", CONNECTION, "--format", "json").stdout)["nodes"]
+            assert len(nodes) == 2
+            started = dep.pids()
+            assert len(started) >= 4  # SuperLink, Fleet gateway, 2 SuperNodes (and their SuperExecs)
+            _assert_site_port_refuses_control_api(dep, tmp_path / "attacker")
+            outcome = dep.run(ROOT, override_string(cfg, toml_value), timeout=600)
+            assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
+        finally:
+            left = dep.stop()
     assert left == []
     assert not any(alive(pid) for pid in started)
+    _assert_loopback_only(seen, ("flower-superlink", "fleet_gateway", "flower-supernode"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["transport"] == "flower"
     assert summary["num_clients"] == 2 and summary["iterations"] == 2
@@ -213,7 +216,10 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
     the feature space) named only in its node config (data-root, dataset), partition='node-local': nothing is
     partitioned centrally, the server holds only its evaluation file and learns the shard sizes, so the ledger's
     n is 120 + 80; the global model trains (test accuracy from 0.47 at iteration 0 to >= 0.7 after 4 iterations).
-    Each node reads every record of its file: nobody evaluates on a site's records."""
+    Each node reads every record of its file: nobody evaluates on a site's records. A third SuperNode's data
+    folder is empty (its data cannot be loaded): with on-client-failure=drop and min-clients=2 the run goes on
+    without it from the start, its records not in n, every release from the other two. (Before: the whole run
+    failed at the nodes' start-up, naming only the Flower node id.)"""
     import numpy as np
 
     from dpdro.common.config import Config
@@ -222,19 +228,23 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
     sites = [tmp_path / "site1" / "records.csv", tmp_path / "site2" / "records.csv"]
     _site_csv(sites[0], 120, 1, 0.0, 0.5)
     _site_csv(sites[1], 80, 2, 0.5, 1.0)
+    (tmp_path / "site3").mkdir()  # a site whose records are gone
     server_eval = tmp_path / "server" / "eval.csv"  # public evaluation data (its 20% test split is evaluated)
     _site_csv(server_eval, 500, 3, 0.0, 1.0)
     out = tmp_path / "run"
     cfg = Config.from_mapping({
         "dataset": "csv", "partition": "node-local", "classes": "lo,hi", "csv-bounds": "0:1",
-        "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 2, "iterations": 4,
+        "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 3, "iterations": 4,
         "q": 2, "refresh-batch": 60, "diff-batch": 30, "epsilon": 8.0, "eval-every": 2, "threads": 1,
-        "reproducible": True, "reproducible-for-testing": True, "out-dir": str(out), "round-timeout": 300.0})
-    summary, outcome = deploy_config(cfg, 2, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
-                                     node_data_roots=[str(p) for p in sites])
-    assert outcome.ok
+        "reproducible": True, "reproducible-for-testing": True, "out-dir": str(out), "round-timeout": 300.0,
+        "on-client-failure": "drop", "min-clients": 2})
+    summary, outcome = deploy_config(cfg, 3, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
+                                     node_data_roots=[*(str(p) for p in sites), str(tmp_path / "site3")])
+    assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"
     assert json.loads((out / "config.json").read_text())["n"] == 200  # the sum of the two shards
-    assert summary["transport"] == "flower" and summary["num_clients"] == 2
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["clients"] for e in events] == [2] * 8  # every release from the two sites that hold records
+    assert summary["transport"] == "flower" and summary["num_clients"] == 3
     assert summary["delta"] == pytest.approx(1 / 2000)  # auto: 1/(10 n) with n = 200
     assert 7.9 <= summary["epsilon_spent"] <= 8.0 + 1e-9
     assert summary["releases"] == {"eta-refresh": 2, "x-refresh": 2, "eta-diff": 2, "x-diff": 2}
@@ -503,6 +513,76 @@ def test_sigterm_to_dpdro_deploy_stops_every_child(tmp_path):
 def test_sigterm_to_dpdro_simulate_stops_every_child(tmp_path):
     sets = [f"{k}={v}" for k, v in {**_tiny_run(tmp_path / "run"), "iterations": 50}.items()]
     _sigterm_leaves_nothing(tmp_path, ["simulate", "--quiet", "--set", *sets], busy=("raylet",))
+
+
+# ----- nothing the product starts listens beyond loopback ------------------------------------------------------
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+@contextlib.contextmanager
+def _listeners(monkeypatch):
+    """Within the block, the TCP listeners of every process started with a marker that ``monkeypatch`` puts in
+    this process's environment (every launcher passes its environment on, so each descendant inherits it, Ray's
+    included), sampled every 0.2 s: a dict address -> {(port, program)}. Skips the test where this platform does
+    not let a process read its own listening sockets (/proc/<pid>/net/tcp and /proc/<pid>/fd)."""
+    import socket
+    import sys
+    import threading
+    import uuid
+
+    from dpdro.launch.processes import listening_sockets
+
+    with socket.socket() as probe:  # the reader must see a listener of our own, else the check would be empty
+        probe.bind(("127.0.0.1", 0))
+        probe.listen()
+        if ("127.0.0.1", probe.getsockname()[1]) not in {(a, p) for _, a, p in listening_sockets([os.getpid()])}:
+            pytest.skip(f"cannot read listening sockets through /proc on {sys.platform}")
+    marker = f"DPDRO_LISTEN_TEST={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("="))
+    seen: dict[str, set[tuple[int, str]]] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            marked = _marked(marker)
+            for pid, addr, port in listening_sockets(marked):
+                program = " ".join(Path(arg).name for arg in marked[pid].split()[:3])
+                seen.setdefault(addr, set()).add((port, program))
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+
+
+def _assert_loopback_only(seen: dict, programs: tuple[str, ...]) -> None:
+    """Every listener in ``seen`` (``_listeners``) is on 127.0.0.1 or ::1, and each of ``programs`` was seen
+    listening (the check looked at the processes that matter)."""
+    wide = {addr: sorted(found) for addr, found in seen.items() if addr not in LOOPBACK}
+    assert wide == {}, f"listening beyond loopback: {wide}"
+    names = " | ".join(program for found in seen.values() for _, program in found)
+    assert all(p in names for p in programs), f"expected listeners of {programs}, saw {names}"
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_simulate_listens_on_loopback_only(tmp_path, monkeypatch):
+    """During `dpdro simulate` the SuperLink, the simulation (Ray's driver), Ray's GCS, raylet, runtime-env agent
+    and workers listen on 127.0.0.1 only. (Before: Ray's GCS, raylets, driver and workers listened on '::', every
+    interface, and its runtime-env agent on the machine's address.)"""
+    from dpdro.common.config import Config
+    from dpdro.launch import simulate
+
+    monkeypatch.delenv(simulate.RAY_LOOPBACK_ONLY, raising=False)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    with _listeners(monkeypatch) as seen:
+        summary = simulate.run_simulation(Config.from_mapping(_tiny_run(tmp_path / "run")), app_dir=ROOT,
+                                          stream=False)
+    assert summary["transport"] == "flower" and summary["iterations"] == 1
+    _assert_loopback_only(seen, ("flower-superlink", "flwr-simulation", "gcs_server", "raylet", "ray::"))
 
 
 def test_flwr_json_output_is_read_alike_by_every_launcher():

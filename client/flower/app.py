@@ -228,15 +228,24 @@ def _on_warm_worker(context: Context, request: dict):
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
     """This node's partition id and shard size (treated as public); resets its cache of model versions.
-    In a deployment this starts the node's warm worker, which builds the shard and model for the releases."""
-    cfg = _config(context)
-    pid = _partition(context, cfg)
-    num_records = _on_warm_worker(context, {"op": "records", "config": cfg.to_dict(), "partition": pid})
-    if num_records is None:
-        num_records = _num_records(cfg, pid)
+    In a deployment this starts the node's warm worker, which builds the shard and model for the releases.
+    A node that cannot take part (its data cannot be loaded, e.g. its data folder is missing, or its node
+    config does not fit the run) answers with its partition id (-1 if its node config names none) and the error
+    (key 'error') instead of a size, so that the server names the partition and applies on-client-failure."""
+    pid = int(context.node_config.get("partition-id", -1))  # named in an error before it is checked
+    try:
+        cfg = _config(context)
+        pid = _partition(context, cfg)
+        num_records = _on_warm_worker(context, {"op": "records", "config": cfg.to_dict(), "partition": pid})
+        if num_records is None:
+            num_records = _num_records(cfg, pid)
+    except Exception as e:  # noqa: BLE001 - any error: reported with the partition; the server's policy decides
+        log.warning("partition %d cannot take part: %s: %s", pid, type(e).__name__, e)
+        answer = {"partition": pid, "error": f"{type(e).__name__}: {e}"}
+    else:
+        answer = {"partition": pid, "num-records": num_records}
     context.state["versions"] = ArrayRecord({})
-    return Message(RecordDict({"hello": ConfigRecord({"partition": pid, "num-records": num_records})}),
-                   reply_to=msg)
+    return Message(RecordDict({"hello": ConfigRecord(answer)}), reply_to=msg)
 
 
 def _answer(context: Context, queries, incoming):

@@ -40,7 +40,8 @@ def main(grid: Grid, context: Context) -> None:
     test = load_from_config(cfg, train=False)
     transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,
                                 secure=cfg.noise_mode == "distributed", num_shares=cfg.secagg_num_shares,
-                                threshold=cfg.secagg_threshold)
+                                threshold=cfg.secagg_threshold, on_client_failure=cfg.on_client_failure,
+                                max_retries=cfg.max_retries, min_clients=cfg.min_clients)
     progress = Progress(on_eval=lambda row: _print_eval(row, cfg.eval_split))
     result = train(cfg, transport, test, resume=cfg.resume, progress=progress, transport_name="flower")
     s = result.summary

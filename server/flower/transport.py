@@ -1,7 +1,9 @@
 """The Flower transport: executes queries on the nodes of a Flower Grid (simulation or deployment).
 
 - Nodes are matched to partitions by a 'hello' round (partition id from each node's node_config; never the
-  Flower node id, which changes between runs). Shard sizes reported there give n, treated as public.
+  Flower node id, which changes between runs). Shard sizes reported there give n, treated as public. A node
+  that fails there (e.g. its data folder is missing) is handled by config key on-client-failure like a failed
+  release; a dropped node takes no part in the run. Failures are named by partition and node id.
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
 - Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.05 s) and a deadline
@@ -49,10 +51,13 @@ def next_poll_delay(delay: float, elapsed: float) -> float:
 
 class FlowerTransport:
     """Args: grid (Flower Grid), num_clients (nodes expected), timeout (seconds per round); for secure
-    aggregation also ``context`` (the ServerApp's Context), ``secure`` and the SecAgg+ share fractions."""
+    aggregation also ``context`` (the ServerApp's Context), ``secure`` and the SecAgg+ share fractions; the
+    failure policy of the 'hello' round (``_hello``): ``on_client_failure``, ``max_retries``, ``min_clients``
+    (config keys of the same names). Raises ClientFailure when the nodes' start-up fails under that policy."""
 
     def __init__(self, grid: Grid, num_clients: int, timeout: float, *, context=None, secure: bool = False,
-                 num_shares: float = 1.0, threshold: float = 0.5) -> None:
+                 num_shares: float = 1.0, threshold: float = 0.5, on_client_failure: str = "fail",
+                 max_retries: int = 0, min_clients: int = 1) -> None:
         self.grid = grid
         self.timeout = timeout
         self.secure = secure
@@ -60,34 +65,72 @@ class FlowerTransport:
             raise ValueError("secure aggregation needs the ServerApp's context")
         self.secure_round = SecureRound(grid, context, timeout, num_shares, threshold, None) if secure else None
         self.ranges: SecAggRange | None = None
-        nodes = self._wait_for_nodes(num_clients)
-        replies, errors = self._exchange({nid: RecordDict() for nid in nodes}, HELLO)
-        if errors:
-            raise ClientFailure("; ".join(f"node {nid}: {reason[-500:]}" for nid, reason in errors.items()))
+        nodes = self._wait_for_nodes(num_clients, on_client_failure, min_clients)
         self.node_of: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
-        for nid, content in replies.items():
-            pid = int(content["hello"]["partition"])
-            if pid in self.node_of:
-                raise ClientFailure(f"nodes {self.node_of[pid]} and {nid} both claim partition {pid}")
-            self.node_of[pid] = nid
-            self.sizes[pid] = int(content["hello"]["num-records"])
-        if sorted(self.node_of) != list(range(num_clients)):
+        self.dropped: dict[int, str] = self._hello(nodes, num_clients, on_client_failure, max_retries, min_clients)
+        self.held: dict[int, set[int]] = {nid: set() for nid in self.node_of.values()}
+
+    def _hello(self, nodes: list[int], num_clients: int, policy: str, max_retries: int, min_clients: int
+               ) -> dict[int, str]:
+        """The 'hello' round: each node's partition id and shard size into ``node_of`` and ``sizes``, under the
+        failure policy of every other round (``releaser.collect_round``): a node that fails (raises, times out, or
+        answers that its shard cannot be built, e.g. its data folder is missing) fails the run with
+        ``policy='fail'``; 'retry' asks the failed nodes again up to ``max_retries`` times; 'drop' goes on without
+        them if at least ``min_clients`` nodes answered, else retries like 'retry'. A dropped node takes no part
+        in the run: its records are not in n. Returns node id -> reason of each dropped node (logged by partition
+        and node id). Raises ClientFailure naming each failed node's partition and node id."""
+        pending = list(nodes)
+        failed: dict[int, str] = {}
+        for attempt in range(max_retries + 1):
+            replies, errors = self._exchange({nid: RecordDict() for nid in pending}, HELLO)
+            failed = {nid: f"partition unknown (node {nid}): {reason[-500:]}" for nid, reason in errors.items()}
+            for nid, content in replies.items():
+                hello = content["hello"]
+                pid = int(hello["partition"])
+                if "error" in hello:
+                    name = f"partition {pid}" if pid >= 0 else "partition unknown"
+                    failed[nid] = f"{name} (node {nid}): {str(hello['error'])[-500:]}"
+                elif pid in self.node_of:
+                    raise ClientFailure(f"nodes {self.node_of[pid]} and {nid} both claim partition {pid}")
+                else:
+                    self.node_of[pid] = nid
+                    self.sizes[pid] = int(hello["num-records"])
+            if not failed:
+                break
+            for reason in failed.values():
+                log.warning("start-up ('hello'), attempt %d: %s", attempt, reason)
+            if policy == "drop" and len(self.node_of) >= min_clients:
+                log.warning("training without %s (%d of %d nodes remain; their records are not in n)",
+                            ", ".join(r.split(":", 1)[0] for r in failed.values()), len(self.node_of), len(nodes))
+                break
+            if policy == "fail" or attempt == max_retries:
+                raise ClientFailure(f"start-up ('hello') failed after {attempt + 1} attempt(s) with "
+                                    f"on-client-failure={policy}: " + "; ".join(failed.values()))
+            pending = sorted(failed)
+        if not set(self.node_of) <= set(range(num_clients)):  # distinct (checked above) and in range: all, or drops
             raise ClientFailure(f"partitions {sorted(self.node_of)} do not cover 0..{num_clients - 1}")
-        self.held: dict[int, set[int]] = {nid: set() for nid in nodes}
+        return failed
 
     @property
     def num_records(self) -> int:
         return sum(self.sizes.values())
 
-    def _wait_for_nodes(self, k: int) -> list[int]:
+    def _wait_for_nodes(self, k: int, policy: str, min_clients: int) -> list[int]:
+        """The ids of the connected nodes once ``k`` have connected; after ``timeout`` seconds, those connected
+        when ``policy`` is 'drop' and at least ``min_clients`` are, else ClientFailure."""
         deadline = time.monotonic() + self.timeout
         while True:  # simulated nodes may register after the ServerApp starts (FLOWER.md pitfall 5)
             nodes = sorted(self.grid.get_node_ids())
             if len(nodes) >= k:
                 return nodes[:k] if len(nodes) == k else nodes
             if time.monotonic() > deadline:
-                raise ClientFailure(f"only {len(nodes)} of {k} nodes connected within {self.timeout:g} s")
+                if policy == "drop" and len(nodes) >= min_clients:
+                    log.warning("only %d of %d nodes connected within %g s: training without the others",
+                                len(nodes), k, self.timeout)
+                    return nodes
+                raise ClientFailure(f"only {len(nodes)} of {k} nodes connected within {self.timeout:g} s "
+                                    f"(on-client-failure={policy}, min-clients={min_clients})")
             time.sleep(0.05)
 
     def _exchange(self, contents: dict[int, RecordDict], message_type: str

@@ -35,6 +35,7 @@ from .evaluate import evaluate
 from .ledger import Ledger, auto_delta, calibrate, check_delta
 from .memory import heap_mb, rss_mb
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
+from .release import check_distributed
 from .releaser import Releaser
 from .run_report import write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
@@ -179,6 +180,9 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
     plan, noise, profiles = plan_run(cfg, algo, n, delta)
+    if cfg.private and cfg.noise_mode == "distributed":
+        for warning in check_distributed(cfg, noise, transport.largest_shard):
+            log.warning("%s", warning)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
     _note(progress, plan_line(n, delta, noise))
     for warning in algo.regime_warnings(noise):

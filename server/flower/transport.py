@@ -80,6 +80,10 @@ class FlowerTransport:
     def num_records(self) -> int:
         return sum(self.sizes.values())
 
+    @property
+    def largest_shard(self) -> int:
+        return max(self.sizes.values(), default=0)
+
     def _wait_for_nodes(self, k: int) -> list[int]:
         deadline = time.monotonic() + self.timeout
         while True:  # simulated nodes may register after the ServerApp starts (FLOWER.md pitfall 5)

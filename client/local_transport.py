@@ -40,6 +40,10 @@ class LocalTransport:
     def num_clients(self) -> int:
         return len(self.workers)
 
+    @property
+    def largest_shard(self) -> int:
+        return max((w.num_records for w in self.workers), default=0)
+
     def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
         result = RoundResult({q.qid: [] for q in queries})
         for w in self.workers:

@@ -413,8 +413,9 @@ FIELDS: tuple[Field, ...] = (
           "about 5-10% less noise at the same target) or 'rdp' (Renyi DP: a looser bound, cheaper at huge epsilons).",
           choices=("pld", "rdp"), role="privacy"),
     Field("noise-mode", "str", "central", "Where the Gaussian noise is added: 'central' (the server adds it to the "
-          "sum of clipped sums: a trusted server), 'distributed' (each client adds its 1/m share of the variance and "
-          "the server only sees the SecAgg+ sum on Flower), 'local' (each client adds the full noise: private even "
+          "sum of clipped sums: a trusted server), 'distributed' (each client adds 1/m_min of the variance, m_min = "
+          "min-clients with on-client-failure=drop, else num-clients; the server only sees the SecAgg+ sum on "
+          "Flower), 'local' (each client adds the full noise: private even "
           "against the server). README: trust models.", choices=("central", "distributed", "local"), role="privacy"),
     Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
           "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True, role="privacy"),
@@ -465,7 +466,8 @@ FIELDS: tuple[Field, ...] = (
     Field("max-retries", "int", 2, "Retries of a release after a client failure (on-client-failure=retry).",
           low=0, high=100, role="runtime"),
     Field("min-clients", "int", 1, "With on-client-failure=drop: fewest clients a release may use; fewer "
-          "means retry, then fail.", low=1, high=10_000, role="runtime"),
+          "means retry, then fail. noise-mode=distributed calibrates each client's noise share for this many.",
+          low=1, high=10_000, role="runtime"),
     Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
           choices=("poisson", "fixed-size"), role="privacy"),

@@ -40,6 +40,10 @@ class Transport(Protocol):
     def num_clients(self) -> int:
         """Number of clients (partitions)."""
 
+    @property
+    def largest_shard(self) -> int:
+        """The most training records one client holds (public, as n; it sets the SecAgg+ grid)."""
+
     def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
         """Replies of every client to each query, and the clients that failed (never raises for a client's
         own error; a deadline bounds every wait)."""

@@ -337,16 +337,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.server.algorithms import make_algorithm
     from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
+    from dpdro.server.release import check_distributed
 
     train_set = load_from_config(cfg, train=True)
     check_groups(cfg, train_set.num_groups)
-    n = LocalTransport(cfg, train_set).num_records
+    transport = LocalTransport(cfg, train_set)
+    n = transport.num_records
     check_records(cfg, n)
     dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                                 input_shape=tuple(train_set.x.shape[1:]))).dim
     delta = resolve_delta(cfg, n)
     plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes, train_set.num_groups), n,
                               delta)
+    if cfg.private and cfg.noise_mode == "distributed":
+        for warning in check_distributed(cfg, noise, transport.largest_shard):
+            logging.getLogger(__name__).warning("%s", warning)
     print(f"{cfg.algorithm} on {cfg.dataset}: n = {n} training records, {cfg.iterations} iterations, "
           f"epsilon target {cfg.epsilon}, delta {delta:.3g}, accountant {cfg.accountant}")
     print(f"{'release':<16}{'count':>7}{'sampling rate':>15}{'noise multiplier':>18}")

@@ -35,6 +35,7 @@ from .evaluate import evaluate
 from .ledger import Ledger, auto_delta, calibrate, check_delta
 from .memory import heap_mb, rss_mb
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
+from .release import check_distributed
 from .releaser import Releaser
 from .run_report import write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
@@ -200,6 +201,9 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
                     "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
     plan, noise, profiles = plan_run(cfg, algo, n, delta)
+    if cfg.private and cfg.noise_mode == "distributed":
+        for warning in check_distributed(cfg, noise, transport.largest_shard):
+            log.warning("%s", warning)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
     _note(progress, plan_line(n, delta, noise))
     for warning in algo.regime_warnings(noise):
@@ -379,14 +383,17 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
         return None
     last = max(e["iteration"] for e in released)
     span = f"iteration {last}" if last == checkpoint_t else f"iterations {checkpoint_t}-{last}"
-    if ledger.private and ledger.epsilon_if_completed() > ledger.epsilon:
-        raise ResumeError(
-            f"{len(released)} release(s) of {span} were made after the last checkpoint "
-            f"(iteration {checkpoint_t}) by the run that stopped without one; they are charged, and with them "
-            f"finishing the plan would spend epsilon {ledger.epsilon_if_completed():.4f} > target {cfg.epsilon:g} "
-            f"(epsilon already spent: {ledger.epsilon_spent():.4f}). Nothing was released. The checkpoint cannot "
-            "be finished within the budget: start again in a new out-dir (a smaller checkpoint-every bounds what a "
-            "crash costs)")
+    # in distributed and local mode the server's own ledger must fit too (its guard would stop the run later)
+    checked = [("", ledger)] + ([(" against the server", server_ledger)] if cfg.noise_mode != "central" else [])
+    for against, book in checked:
+        if ledger.private and book.epsilon_if_completed() > book.epsilon:
+            raise ResumeError(
+                f"{len(released)} release(s) of {span} were made after the last checkpoint "
+                f"(iteration {checkpoint_t}) by the run that stopped without one; they are charged, and with them "
+                f"finishing the plan would spend epsilon{against} {book.epsilon_if_completed():.4f} > target "
+                f"{cfg.epsilon:g} (spent so far: {book.epsilon_spent():.4f}). Nothing was released. The checkpoint "
+                "cannot be finished within the budget: start again in a new out-dir (a smaller checkpoint-every "
+                "bounds what a crash costs)")
     return (f"charged {len(released)} release(s) of {span} made after the last "
             f"checkpoint (they are not undone by resuming; events.jsonl marks them abandoned): epsilon spent so far "
             f"{ledger.epsilon_spent():.4f}")

@@ -18,8 +18,10 @@ for); n is public.
   since PLD is tighter, and the search goes down from it). It raises ``CalibrationError`` rather than return
   a scale that overspends or misses the 0.99 lower end.
 - ``Ledger`` records releases as they happen. Its guard allows a release when the releases so far plus this
-  one are still within the calibrated plan (composition is monotone, so epsilon <= epsilon(plan) <= target);
-  anything outside the plan is allowed only if the exact epsilon with it stays within the target.
+  one are still within the calibrated plan and the plan plus any release recorded beyond it stays within the
+  target (composition is monotone, so epsilon <= epsilon(plan + beyond) <= target); anything else is allowed
+  only if the exact epsilon with it stays within the target. ``record_seen`` and ``check_spent`` serve a
+  ledger of what someone has already seen (the server's own view, server/releaser.py).
 - Runs of identical events are composed as SelfComposedDpEvent(event, count), so the cost of an epsilon
   evaluation grows with the number of distinct mechanisms, not with the number of iterations.
 """
@@ -445,6 +447,30 @@ class Ledger:
         has already seen (the server's own view in distributed and local noise modes, where z may be 0), and for
         releases already made that a resumed run's checkpoint does not include (``RunDir.journal_since``)."""
         self.extra[(rate, noise_multiplier)] += 1
+
+    def record_seen(self, mechanism: str, rate: float, noise_multiplier: float) -> None:
+        """Record, without any guard, one release that someone has already seen (what was seen counts whatever
+        the budget says), protected from them by ``noise_multiplier``. It counts as a planned release of
+        ``mechanism`` when the plan has room for one more at ``rate`` and ``noise_multiplier`` is at least the
+        planned one (more noise only lowers epsilon, so the planned event bounds it), else as a release beyond the
+        plan at its own multiplier."""
+        m = self.by_name.get(mechanism)
+        if (m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]
+                and noise_multiplier >= self.noise[mechanism]):
+            self.spent[mechanism] += 1
+        else:
+            self.extra[(rate, noise_multiplier)] += 1
+
+    def check_spent(self, what: str) -> None:
+        """Raise PrivacyBudgetExceeded (naming ``what``, e.g. "against the server") if the releases recorded
+        so far spend more than the target; cheap while they stay within the plan (``_plan_fits``), else one
+        accountant evaluation. A finite target only; nothing is recorded."""
+        if not self.private or (all(self.spent[m.name] <= n for m, n in self.plan.items()) and self._plan_fits()):
+            return
+        eps = self.epsilon_spent()
+        if eps > self.epsilon:
+            raise PrivacyBudgetExceeded(f"the releases {what} spend epsilon {eps:.4f} > target {self.epsilon:g} at "
+                                        f"delta {self.delta:.3g}; refused")
 
     def state(self) -> dict:
         """JSON-serialisable record of what was spent (for checkpoints)."""

@@ -17,8 +17,17 @@ from ..common.messages import Query, Reply
 from ..common.rng import site_rng
 from ..common.transport import ClientFailure, Transport
 from .diagnostics import NoiseMonitor
-from .ledger import Ledger
-from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
+from .ledger import Ledger, PrivacyBudgetExceeded
+from .release import (
+    aggregate,
+    client_noise_std,
+    min_shares,
+    noisy_mean,
+    released_noise_std,
+    server_noise_std,
+    server_view_multiplier,
+    split_valid,
+)
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -75,14 +84,19 @@ class Releaser:
 
     ``server_ledger`` is a second ``Ledger`` that records every release as the server itself saw it, at the
     multiplier ``release.server_view_multiplier`` (the guarantee against the server in distributed and local noise
-    modes; in central mode the server saw unnoised sums: multiplier 0, epsilon inf). It guards nothing.
+    modes; in central mode the server saw unnoised sums: multiplier 0, epsilon inf). Outside central mode it
+    guards too (``_check_server_view``): a release that would take the epsilon against the server past the target
+    is refused. In distributed mode each client's share is calibrated for ``shares`` = m_min
+    (``release.min_shares``), so every released sum (at least m_min shares) protects against the server with at
+    least the planned multiplier.
     """
 
     def __init__(self, cfg: Config, transport: Transport, ledger: Ledger, n: int, rd: RunDir) -> None:
         self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
-        self.server_ledger = Ledger({}, {}, ledger.epsilon, ledger.delta, ledger.accountant)
+        self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant)
+        self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
         fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
         # testing only (inject-fault kind 'leak'): (partition, first iteration) whose replies are kept, so that
@@ -97,7 +111,7 @@ class Releaser:
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
-        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.transport.num_clients)
+        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.shares)
         return dataclasses.replace(q, noise_std=share)
 
     def run(self, raw: Sequence[Query], versions: dict[int, np.ndarray], *, setup: bool = False
@@ -106,21 +120,22 @@ class Releaser:
         queries = [self.decorate(q, diagnostics=not setup) for q in raw]
         for q in queries:  # refuse before anything leaves a client if the plan would be overspent
             self.ledger.check(q.mechanism, q.rate)
+            self._check_server_view(q)
         replies = collect_round(self.cfg, self.transport, queries, versions,
                                 lambda q, got: self._seen_by_server(q, got, discarded=True))
         if self.leak and queries[0].iteration >= self.leak[1]:
             self.leaked += [np.array(r.total) for r in replies[queries[0].qid] if r.partition == self.leak[0]]
-        m = self.transport.num_clients
         released, events = {}, []
         for q in queries:
             got = replies[q.qid]
             total, clients = aggregate(q, got), sum(r.clients for r in got)
+            seen = self._seen_by_server(q, got)
+            self._check_server_view()
             self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
             z = self.ledger.noise_multiplier(q.mechanism)
             mode = self.cfg.noise_mode
-            seen = self._seen_by_server(q, got)
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
-            std = server_noise_std(mode, z, q.sensitivity, m, clients)
+            std = server_noise_std(mode, z, q.sensitivity, self.shares, clients)
             mean = noisy_mean(q, total, std, self.n, rng)
             expected = q.rate * self.n
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
@@ -130,6 +145,8 @@ class Releaser:
                 event["server_view_multiplier"] = seen
             if mode != "central" and z > 0:
                 event["server_topup_std"] = std
+                event["released_noise_std_of_mean"] = released_noise_std(mode, z, q.sensitivity, self.shares,
+                                                                          clients) / expected
                 bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
@@ -153,13 +170,27 @@ class Releaser:
             return None
         z = self.ledger.noise_multiplier(q.mechanism) if self.cfg.private else 0.0
         clients = sum(r.clients for r in replies)
-        seen = server_view_multiplier(self.cfg.noise_mode, z, self.transport.num_clients, clients)
-        self.server_ledger.record(q.rate, seen)
+        seen = server_view_multiplier(self.cfg.noise_mode, z, self.shares, clients)
+        self.server_ledger.record_seen(q.mechanism, q.rate, seen)
         if discarded and self.cfg.noise_mode != "central":
             self.rd.append_events([{"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate,
                                     "attempt": q.attempt, "clients": clients, "discarded": True,
                                     "server_view_multiplier": seen}])
         return seen
+
+    def _check_server_view(self, q: Query | None = None) -> None:
+        """Refuse (PrivacyBudgetExceeded) what would take the epsilon against the server past the target: one
+        more release of ``q`` at its planned multiplier (before any client is asked), or, without ``q``, what the
+        server has seen so far (before releasing). Not in central mode, where the server is trusted."""
+        if self.cfg.noise_mode == "central" or not self.cfg.private:
+            return
+        try:
+            if q is None:
+                self.server_ledger.check_spent("seen by the server")
+            else:
+                self.server_ledger.check(q.mechanism, q.rate)
+        except PrivacyBudgetExceeded as e:
+            raise PrivacyBudgetExceeded(f"against the server (noise-mode={self.cfg.noise_mode}): {e}") from None
 
     def epsilon_against_server(self) -> float:
         """Epsilon against the server itself of every release so far (inf in central mode and when not private)."""

@@ -12,6 +12,7 @@ from .. import __version__
 from ..common.config import SEEDED_NOT_PRIVATE, Config
 from .allocation import proxy_variance
 from .ledger import Ledger
+from .release import SECAGG_STEP_OVER_SHARE_STD
 from .releaser import Releaser
 
 
@@ -71,7 +72,7 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
     where = ("the server saw only SecAgg+ sums of the clients' noised sums" if transport_name == "flower" else
              "in-process run: noise placed as in distributed mode, but no secure aggregation took place")
     return (f"distributed: {where}; epsilon holds for everything released, epsilon_against_server against the "
-            "server itself (weaker where shares were missing and the server topped them up)")
+            "server itself (every released sum has at least the planned noise; discarded partial sums count)")
 
 
 def not_accounted(cfg: Config, setup) -> list[str]:
@@ -87,8 +88,9 @@ def not_accounted(cfg: Config, setup) -> list[str]:
         out.append("validation metrics: computed on held-out training records and reported without noise (for "
                    "tuning only)")
     if cfg.noise_mode == "distributed":
-        out.append("SecAgg+ quantisation: the rounding of each client's noised sum (bounded and reported per "
-                   "release) is not modelled by the Gaussian accounting")
+        out.append("SecAgg+ quantisation: the rounding of each client's noised sum (grid step at most "
+                   f"{SECAGG_STEP_OVER_SHARE_STD:g} x a share's noise std, checked before the run; bounded and "
+                   "reported per release) is not modelled by the Gaussian accounting")
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
         out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
                 "floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "

@@ -447,3 +447,26 @@ def test_auto_delta_is_a_tenth_of_one_over_n():
     assert ledger.check_delta(ledger.auto_delta(20), 20, "auto") is None
     with pytest.raises(ValueError, match="at least 1"):
         ledger.auto_delta(0)
+
+
+def test_a_release_within_the_plan_is_refused_when_seen_releases_beyond_it_leave_no_room():
+    """A ledger of what the server has seen: releases protected by at least the planned multiplier count as
+    planned ones; a partial sum seen at a smaller multiplier goes beyond the plan, and then the next planned
+    release is admitted only if the exact epsilon with it stays within the target (the plan alone no longer
+    proves it); ``check_spent`` refuses once what was seen passes the target."""
+    a = Mechanism("a", 0.1)
+    plan = {a: 20}
+    z = ledger.calibrate(plan, 1.0, 1e-5)
+    seen = Ledger(plan, {"a": z}, 1.0, 1e-5)
+    for _ in range(17):
+        seen.record_seen("a", 0.1, z * 1.2)  # more noise than planned: bounded by the planned event
+    seen.check_spent("against the server")
+    assert seen.spent["a"] == 17 and not seen.extra
+    seen.record_seen("a", 0.1, z * math.sqrt(2 / 3))  # a discarded partial sum: beyond the plan
+    assert seen.extra == Counter({(0.1, z * math.sqrt(2 / 3)): 1})
+    assert seen.epsilon_spent() <= 1.0  # 18 releases so far, within the target
+    with pytest.raises(PrivacyBudgetExceeded, match="release 'a' .* would spend epsilon 1.0"):
+        seen.check("a", 0.1)  # the 18th planned release would pass it
+    seen.record_seen("a", 0.1, z)
+    with pytest.raises(PrivacyBudgetExceeded, match="the releases against the server spend epsilon 1.0.* > target 1"):
+        seen.check_spent("against the server")

@@ -17,7 +17,20 @@ from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset, load_from_config
 from dpdro.common.messages import Point, Query
 from dpdro.server.engine import train
-from dpdro.server.release import client_noise_std, noisy_mean, server_noise_std, server_view_multiplier
+from dpdro.server.ledger import Ledger, Mechanism, PrivacyBudgetExceeded, epsilon_of
+from dpdro.server.release import (
+    check_distributed,
+    check_secagg_grid,
+    client_noise_std,
+    min_shares,
+    noisy_mean,
+    released_noise_std,
+    secagg_grid,
+    server_noise_std,
+    server_view_multiplier,
+)
+from dpdro.server.releaser import Releaser
+from dpdro.server.rundir import RunDir
 
 Z, CLIP, M = 1.3, 1.0, 4
 DRAWS = 600
@@ -62,14 +75,83 @@ def test_distributed_noise_has_the_declared_variance_and_equals_central_in_distr
 
 
 def test_a_dropped_share_is_topped_up_by_the_server():
-    """One of four clients drops: the server adds N(0, (z C)^2 / 4), the released std stays z C, and only
-    3/4 of the variance is unknown to the server (its guarantee there uses z sqrt(3/4))."""
+    """Below m_min (here m_min = m = 4, one share missing): the server adds N(0, (z C)^2 / 4), the released std
+    stays z C, and only 3/4 of the variance is unknown to the server (its guarantee there uses z sqrt(3/4))."""
     workers = _workers(M, "distributed")
     noise = _noise_of_sums(workers, client_noise_std("distributed", Z, CLIP, M), M - 1, "distributed")
     assert server_noise_std("distributed", Z, CLIP, M, M - 1) == pytest.approx(Z * CLIP / 2)
     assert noise.std() == pytest.approx(Z * CLIP, rel=0.04)
     assert server_view_multiplier("distributed", Z, M, M - 1) == pytest.approx(Z * math.sqrt(3 / 4))
     assert server_view_multiplier("central", Z, M, M) == 0.0 and server_view_multiplier("local", Z, M, 2) == Z
+
+
+class _Clients:
+    """A transport stub for the releaser's calibration: only the number of clients."""
+
+    num_clients = M
+
+
+def _decorated_share(tmp_path, **keys) -> float:
+    cfg = Config.from_mapping({"noise-mode": "distributed", "num-clients": M, **keys})
+    ledger = Ledger({Mechanism("h", 1.0): 10}, {"h": Z}, 4.0, 1e-5)
+    releaser = Releaser(cfg, _Clients(), ledger, 100, RunDir(tmp_path))
+    return releaser.decorate(_histogram_query(0, 0.0), diagnostics=False).noise_std
+
+
+def test_distributed_shares_are_calibrated_for_the_declared_minimum(tmp_path):
+    """With on-client-failure=drop and min-clients = m_min = 2 of 4, each client adds N(0, (z S)^2 / 2) (measured
+    on the clients' replies), so a release of any 2 shares carries the planned noise, against the server too;
+    all 4 shares carry twice the planned variance. Without 'drop' every client must answer: m_min = 4."""
+    share = _decorated_share(tmp_path, **{"on-client-failure": "drop", "min-clients": 2})
+    assert share == pytest.approx(Z * CLIP / math.sqrt(2), rel=1e-12)
+    assert _decorated_share(tmp_path, **{"min-clients": 2}) == pytest.approx(Z * CLIP / 2, rel=1e-12)
+    workers = _workers(M, "distributed")[:2]
+    exact = [w.answer(_histogram_query(0, 0.0), {0: np.zeros(1)}).total for w in workers]
+    noise = np.array([[w.answer(_histogram_query(t, share), {0: np.zeros(1)}).total - x
+                       for w, x in zip(workers, exact, strict=True)] for t in range(DRAWS)])  # (draws, 2, 10)
+    assert noise[:, 0].std() == pytest.approx(Z * CLIP / math.sqrt(2), rel=0.04)
+    assert noise.sum(axis=1).std() == pytest.approx(Z * CLIP, rel=0.04)  # 2 shares: the planned std
+    assert server_view_multiplier("distributed", Z, 2, 2) == pytest.approx(Z)
+    assert server_view_multiplier("distributed", Z, 2, 4) == pytest.approx(Z * math.sqrt(2))
+    assert server_noise_std("distributed", Z, CLIP, 2, 3) == 0.0
+    assert released_noise_std("distributed", Z, CLIP, 2, 4) == pytest.approx(Z * CLIP * math.sqrt(2))
+    assert released_noise_std("distributed", Z, CLIP, 2, 1) == pytest.approx(Z * CLIP)  # topped up to the plan
+
+
+def test_the_declared_minimum_is_validated():
+    assert min_shares("drop", 3, 4) == 3 and min_shares("retry", 3, 4) == 4 and min_shares("fail", 1, 4) == 4
+    for bad in (0, 5):
+        with pytest.raises(ConfigError, match=f"'min-clients': got {bad}; allowed: 1 to num-clients \\(4\\)"):
+            min_shares("drop", bad, 4)
+    with pytest.raises(ConfigError, match="'min-clients': got 5; allowed: at most num-clients \\(4\\)"):
+        Config.from_mapping({"min-clients": 5, "num-clients": 4})
+
+
+def test_the_secagg_grid_must_be_fine_against_a_share():
+    """The grid step 2 R / Q must be at most 0.1 x the smallest share std z_min / sqrt(m_min), so that stochastic
+    rounding (variance <= step^2 / 4) stays below 1/400 of a share's variance. The main job's figures (`dpdro
+    plan` with noise-mode=distributed: largest shard 7505, 4 clients, z 1.9403 and 10 for the class histogram)
+    pass with a wide margin (2.9e-5); a million records on each of 1000 clients at z 0.5 (share std 0.016, step
+    0.95) is refused, naming the floor, the figures and what to change."""
+    r, q = secagg_grid(7505, 10.0 / 2, 4)
+    assert (r, q) == (7506 + 50.0, 2**29)
+    ratio = check_secagg_grid({"grad": 1.9403, "class-histogram": 10.0}, 4, 4, 7505)
+    assert ratio == pytest.approx(2 * (7506 + 50.0) / 2**29 / (1.9403 / 2), rel=1e-12)
+    assert ratio == pytest.approx(2.9e-5, rel=0.01)
+    with pytest.raises(ConfigError) as err:
+        check_secagg_grid({"grad": 0.5}, 1000, 1000, 1_000_000)
+    text = str(err.value)
+    step = 2 * (1_000_001 + 10 * 0.5 / math.sqrt(1000)) / 2**21
+    assert f"grid step 2 R / Q = {step:.3g}" in text and "Q = 2097152 for num-clients 1000" in text
+    assert f"{step / (0.5 / math.sqrt(1000)):.3g} x the smallest client noise share" in text
+    assert "allowed: at most 0.1 x" in text and "1/400 of a share's noise variance" in text
+    assert "config key 'noise-mode': got 'distributed'" in text and "min-clients" in text
+    # the run-level check calibrates the shares for m_min and warns when m_min < m
+    cfg = Config.from_mapping({"noise-mode": "distributed", "num-clients": 4, "on-client-failure": "drop",
+                               "min-clients": 2})
+    [warning] = check_distributed(cfg, {"grad": 1.84}, 15_000)
+    assert "min-clients=2 of num-clients=4" in warning and "2 x the planned variance" in warning
+    assert check_distributed(Config.from_mapping({"noise-mode": "distributed"}), {"grad": 1.84}, 15_000) == []
 
 
 def test_local_mode_replies_carry_the_full_noise():
@@ -139,39 +221,61 @@ def test_every_mode_runs_on_real_data_with_the_same_ledger(small_config, tmp_pat
 
 
 @pytest.mark.data
-def test_dropout_mid_run_keeps_noise_std_and_ledger(small_config, tmp_path):
-    """Dropout of one client at iteration 2 under distributed noise: the run completes, the released noise std
-    and the ledger are those of a clean run, the server topped up the missing share, and the guarantee
-    against the server is weaker for that release (reported)."""
-    clean_cfg = small_config(out_dir=str(tmp_path / "clean"), noise_mode="distributed")
-    clean = _run(clean_cfg).summary
-    cfg = small_config(out_dir=str(tmp_path / "drop"), noise_mode="distributed", inject_fault="1:2:raise",
-                       on_client_failure="drop", min_clients=2)
-    dropped = _run(cfg).summary
-    assert dropped["releases"] == clean["releases"]
-    assert dropped["epsilon_spent"] == pytest.approx(clean["epsilon_spent"], rel=1e-12)
-    ev_clean, ev_drop = _events(clean_cfg), _events(cfg)
-    assert [e["noise_std_of_mean"] for e in ev_drop] == [e["noise_std_of_mean"] for e in ev_clean]
-    at2 = [e for e in ev_drop if e["iteration"] == 2]
-    assert at2 and all(e["clients"] == 2 for e in at2)
-    for e in at2:
-        sens = e["clip"] * math.sqrt(1 + 0.1**2)
-        assert e["server_topup_std"] == pytest.approx(e["noise_multiplier"] * sens / math.sqrt(3), rel=1e-12)
-    assert dropped["epsilon_against_server"] > clean["epsilon_against_server"]
+def test_dropout_mid_run_keeps_the_planned_noise_against_the_server(small_config, tmp_path):
+    """Dropout of one client of 3 at iteration 2 with min-clients = 2: the shares were calibrated for 2, so
+    the release of the 2 survivors carries the planned std without a top-up and the epsilon against the server
+    stays the ledger's (within the target); the releases of all 3 carry sqrt(3/2) x the planned std."""
+    cfg = small_config(noise_mode="distributed", inject_fault="1:2:raise", on_client_failure="drop", min_clients=2)
+    s = _run(cfg).summary
+    assert s["releases"] == {"eta-refresh": 2, "eta-diff": 4, "x-refresh": 2, "x-diff": 4}
+    assert 0.99 * 4 <= s["epsilon_spent"] <= 4
+    assert s["epsilon_against_server"] == pytest.approx(s["epsilon_spent"], rel=1e-9)
+    events = _events(cfg)
+    at2 = [e for e in events if e["iteration"] == 2]
+    assert at2 and all(e["clients"] == 2 and e["server_topup_std"] == 0.0 for e in at2)
+    for e in events:
+        more = 1.0 if e["iteration"] == 2 else math.sqrt(3 / 2)
+        assert e["released_noise_std_of_mean"] == pytest.approx(e["noise_std_of_mean"] * more, rel=1e-12)
 
 
 @pytest.mark.data
-def test_a_round_below_the_contract_is_discarded_and_retried(small_config, tmp_path):
-    """min-clients = 3 of 3: a dropout makes the round unreleasable; it is retried and released in full. The
-    discarded attempt's partial sum was seen by the server, so the guarantee against the server counts it."""
-    clean = _run(small_config(out_dir=str(tmp_path / "clean"), noise_mode="distributed")).summary
-    cfg = small_config(out_dir=str(tmp_path / "retry"), noise_mode="distributed", inject_fault="0:1:raise-once",
-                       on_client_failure="drop", min_clients=3)
-    retried = _run(cfg).summary
-    assert retried["releases"] == clean["releases"]
-    assert retried["epsilon_spent"] == pytest.approx(clean["epsilon_spent"], rel=1e-12)
-    assert all(e["clients"] == 3 for e in _events(cfg))
-    assert retried["epsilon_against_server"] > clean["epsilon_against_server"]
+def test_a_release_past_the_target_against_the_server_is_refused(small_config, tmp_path):
+    """min-clients = 3 of 3: a dropout at iteration 1 makes both of its rounds unreleasable; they are retried and
+    released in full, but the server saw the two discarded partial sums (2 shares: z sqrt(2/3)). They count
+    against the server, and the release that would take that epsilon past the target is refused before any
+    client is asked: the run stops with nothing more released, and what was released stays within it."""
+    cfg = small_config(noise_mode="distributed", inject_fault="0:1:raise-once", on_client_failure="drop",
+                       min_clients=3)
+    with pytest.raises(PrivacyBudgetExceeded, match=r"against the server \(noise-mode=distributed\)") as err:
+        _run(cfg)
+    events = _events(cfg)
+    assert all(e["clients"] == 3 for e in events) and events[-1]["iteration"] < cfg.iterations - 1
+    seen = {}
+    for e in events:
+        key = (e["rate"], e["noise_multiplier"])
+        seen[key] = seen.get(key, 0) + 1
+    for e in events:
+        if e["iteration"] == 1:  # the discarded attempt of each round at iteration 1
+            key = (e["rate"], e["noise_multiplier"] * math.sqrt(2 / 3))
+            seen[key] = seen.get(key, 0) + 1
+    delta = json.load(open(f"{cfg.out_dir}/config.json"))["delta_resolved"]
+    assert epsilon_of(seen, delta) <= 4
+    refused = str(err.value).split("release '")[1].split("'")[0]
+    [nxt] = {(e["rate"], e["noise_multiplier"]) for e in events if e["mechanism"] == refused}
+    assert epsilon_of({**seen, nxt: seen[nxt] + 1}, delta) > 4
+
+
+@pytest.mark.data
+def test_the_secagg_grid_floor_is_checked_before_any_work(small_config, tmp_path, monkeypatch):
+    """A single-node distributed run is refused before the run directory exists when its grid step would
+    exceed the floor (here the floor is lowered to make MNIST-ST's tiny step too coarse)."""
+    import dpdro.server.release as release
+
+    monkeypatch.setattr(release, "SECAGG_STEP_OVER_SHARE_STD", 1e-9)
+    cfg = small_config(noise_mode="distributed")
+    with pytest.raises(ConfigError, match="SecAgg\\+ grid step .* allowed: at most 1e-09 x"):
+        _run(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.flower
@@ -198,8 +302,9 @@ def test_secagg_sum_is_within_the_quantisation_bound_on_flower(small_config, tmp
 @pytest.mark.flower
 @pytest.mark.data
 def test_secagg_dropout_on_flower_keeps_noise_and_ledger(small_config, tmp_path, flower_superlink):
-    """A node fails inside SecAgg+ at iteration 1; its masks are reconstructed from the others' shares, the
-    server tops up its noise share, and the run completes with the planned releases."""
+    """A node fails inside SecAgg+ at iteration 1; its masks are reconstructed from the others' shares, the two
+    survivors' shares (calibrated for min-clients = 2) carry the planned noise without a top-up, and the run
+    completes with the planned releases and the ledger's epsilon against the server."""
     from dpdro.launch.simulate import run_simulation
 
     keys = {"noise_mode": "distributed", "iterations": 3, "eval_every": 3, "on_client_failure": "drop",
@@ -210,5 +315,7 @@ def test_secagg_dropout_on_flower_keeps_noise_and_ledger(small_config, tmp_path,
     assert summary["releases"] == clean["releases"]
     assert summary["epsilon_spent"] == pytest.approx(clean["epsilon_spent"], rel=1e-12)
     at1 = [e for e in _events(cfg) if e["iteration"] == 1]
-    assert at1 and all(e["clients"] == 2 and e["server_topup_std"] > 0 for e in at1)
+    assert at1 and all(e["clients"] == 2 and e["server_topup_std"] == 0.0 for e in at1)
+    assert all(e["released_noise_std_of_mean"] == pytest.approx(e["noise_std_of_mean"], rel=1e-12) for e in at1)
     assert all(e["clients"] == 3 for e in _events(cfg) if e["iteration"] != 1)
+    assert summary["epsilon_against_server"] == pytest.approx(summary["epsilon_spent"], rel=1e-9)

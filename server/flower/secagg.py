@@ -7,7 +7,7 @@ ServerApp for one round of queries:
 
 - the FitIns of a node carries the round's queries (JSON in its config) and the model versions the node lacks
   (its parameters); the node's ClientApp answers with its noised sums (each client adds its share
-  N(0, (z S)^2 / m) before anything leaves it) as the FitRes parameters, one array per query, divided by the
+  N(0, (z S)^2 / m_min) before anything leaves it) as the FitRes parameters, one array per query, divided by the
   query's sensitivity S so that every array is in units of S;
 - the secaggplus_mod on the node quantises each array into the fixed-point grid of ``SecAggRange``, masks it
   and uploads only the masked integers; the server unmasks the modular sum of the nodes that finished stage 2
@@ -18,7 +18,8 @@ ServerApp for one round of queries:
 Every FitRes has num_examples = 1 and max_weight = 1, so the workflow's weighting is exactly 1 per node.
 The quantisation is stochastic rounding to a grid of step 2 R / Q: each node's error per coordinate is below
 one step, so the sum of k nodes is within k steps (times S) of the exact sum; ``SecAggRange.bound`` reports it
-for every release. R = (largest shard) + 10 noise stds covers any clipped sum (its coordinates are at most
+for every release, and the run refuses to start unless the step is at most a tenth of a share's noise std
+(``release.check_secagg_grid``). R = (largest shard) + 10 noise stds covers any clipped sum (its coordinates are at most
 S times the node's record count) plus its noise share except with probability < 1e-22 per coordinate, so the
 workflow's own clipping to [-R, R] essentially never acts.
 """
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...common.messages import Query
+from ..release import secagg_grid
 
 log = logging.getLogger(__name__)
 MODULUS = 2**32
@@ -48,11 +50,11 @@ class SecAggRange:
 
     @classmethod
     def for_round(cls, queries: list[Query], largest_shard: int, clients: int) -> SecAggRange:
-        """R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2 m)), so m Q <= 2^31."""
+        """``release.secagg_grid``: R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2
+        m)), so m Q <= 2^31 (``release.check_secagg_grid`` refused, before the run, a step not small against a
+        share)."""
         shares = [q.noise_std / q.sensitivity for q in queries if q.sensitivity > 0 and math.isfinite(q.sensitivity)]
-        r = float(largest_shard + 1) + 10.0 * max(shares, default=0.0)
-        q = 2 ** (31 - max(1, math.ceil(math.log2(max(clients, 2)))))
-        return cls(r, q)
+        return cls(*secagg_grid(largest_shard, max(shares, default=0.0), clients))
 
     @property
     def step(self) -> float:

@@ -116,6 +116,10 @@ class FlowerTransport:
     def num_records(self) -> int:
         return sum(self.sizes.values())
 
+    @property
+    def largest_shard(self) -> int:
+        return max(self.sizes.values(), default=0)
+
     def _wait_for_nodes(self, k: int, policy: str, min_clients: int) -> list[int]:
         """The ids of the connected nodes once ``k`` have connected; after ``timeout`` seconds, those connected
         when ``policy`` is 'drop' and at least ``min_clients`` are, else ClientFailure."""

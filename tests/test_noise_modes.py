@@ -248,16 +248,22 @@ def test_a_release_past_the_target_against_the_server_is_refused(small_config, t
                        min_clients=3)
     with pytest.raises(PrivacyBudgetExceeded, match=r"against the server \(noise-mode=distributed\)") as err:
         _run(cfg)
-    events = _events(cfg)
+    journal = _events(cfg)
+    events = [e for e in journal if not e.get("discarded")]
     assert all(e["clients"] == 3 for e in events) and events[-1]["iteration"] < cfg.iterations - 1
     seen = {}
     for e in events:
         key = (e["rate"], e["noise_multiplier"])
         seen[key] = seen.get(key, 0) + 1
+    z = {e["mechanism"]: e["noise_multiplier"] for e in events}
+    discarded = [e for e in journal if e.get("discarded")]  # journalled at once (resume charges them)
+    assert [(e["iteration"], e["clients"]) for e in discarded] == [(1, 2), (1, 2)]
     for e in events:
         if e["iteration"] == 1:  # the discarded attempt of each round at iteration 1
             key = (e["rate"], e["noise_multiplier"] * math.sqrt(2 / 3))
             seen[key] = seen.get(key, 0) + 1
+    for e in discarded:
+        assert e["server_view_multiplier"] == pytest.approx(z[e["mechanism"]] * math.sqrt(2 / 3), rel=1e-12)
     delta = json.load(open(f"{cfg.out_dir}/config.json"))["delta_resolved"]
     assert epsilon_of(seen, delta) <= 4
     refused = str(err.value).split("release '")[1].split("'")[0]

@@ -18,7 +18,15 @@ from ..common.rng import site_rng
 from ..common.transport import ClientFailure, Transport
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger
-from .release import aggregate, client_noise_std, noisy_mean, server_noise_std, server_view_multiplier, split_valid
+from .release import (
+    aggregate,
+    client_noise_std,
+    noisy_mean,
+    server_noise_std,
+    server_view_multiplier,
+    split_valid,
+    sum_rounding_factor,
+)
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -76,10 +84,14 @@ class Releaser:
     ``server_ledger`` is a second ``Ledger`` that records every release as the server itself saw it, at the
     multiplier ``release.server_view_multiplier`` (the guarantee against the server in distributed and local noise
     modes; in central mode the server saw unnoised sums: multiplier 0, epsilon inf). It guards nothing.
+
+    Every noise std is z S f, S the query's sensitivity and f = ``release.sum_rounding_factor(n)`` (the float64
+    rounding of the sums, for n records): ``noise_sensitivity``.
     """
 
     def __init__(self, cfg: Config, transport: Transport, ledger: Ledger, n: int, rd: RunDir) -> None:
         self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
+        self.sum_factor = sum_rounding_factor(n)
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger({}, {}, ledger.epsilon, ledger.delta, ledger.accountant)
@@ -97,8 +109,13 @@ class Releaser:
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
-        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.transport.num_clients)
+        share = client_noise_std(cfg.noise_mode, z, self.noise_sensitivity(q), self.transport.num_clients)
         return dataclasses.replace(q, noise_std=share)
+
+    def noise_sensitivity(self, q: Query) -> float:
+        """The sensitivity the noise of ``q`` is calibrated to: its per-record bound times the float64 rounding
+        factor of a sum of n records, S f(n) (``release.sum_rounding_factor``)."""
+        return q.sensitivity * self.sum_factor
 
     def run(self, raw: Sequence[Query], versions: dict[int, np.ndarray], *, setup: bool = False
             ) -> dict[str, np.ndarray]:
@@ -119,18 +136,18 @@ class Releaser:
             mode = self.cfg.noise_mode
             self._seen_by_server(q, got)
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
-            std = server_noise_std(mode, z, q.sensitivity, m, clients)
+            std = server_noise_std(mode, z, self.noise_sensitivity(q), m, clients)
             mean = noisy_mean(q, total, std, self.n, rng)
             expected = q.rate * self.n
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
-                     "noise_std_of_mean": z * q.sensitivity / expected}
+                     "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
             if mode != "central" and z > 0:
                 event["server_topup_std"] = std
                 bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
-                    self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * q.sensitivity))
+                    self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * self.noise_sensitivity(q)))
             if setup:
                 event["phase"] = "setup"
             if q.count_scale > 0:

@@ -72,9 +72,10 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     if cfg.noise_mode == "distributed":
         out.append("SecAgg+ quantisation: the rounding of each client's noised sum (bounded and reported per "
                    "release) is not modelled by the Gaussian accounting")
+    # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
+    # client) keeps them the same in neighbouring data sets (server/ledger.py)
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
-        out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
-                "floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)"]
+        out.append("floating-point Gaussian sampling: the accounting assumes exact Gaussians (Mironov 2012)")
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
 
 

@@ -227,8 +227,9 @@ def _on_warm_worker(context: Context, request: dict):
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    """This node's partition id and shard size (treated as public); resets its cache of model versions.
-    In a deployment this starts the node's warm worker, which builds the shard and model for the releases."""
+    """This node's partition id and shard size (public: the unit of privacy fixes it, server/ledger.py); resets its
+    cache of model versions. In a deployment this starts the node's warm worker, which builds the shard and model
+    for the releases."""
     cfg = _config(context)
     pid = _partition(context, cfg)
     num_records = _on_warm_worker(context, {"op": "records", "config": cfg.to_dict(), "partition": pid})

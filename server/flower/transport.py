@@ -1,7 +1,8 @@
 """The Flower transport: executes queries on the nodes of a Flower Grid (simulation or deployment).
 
 - Nodes are matched to partitions by a 'hello' round (partition id from each node's node_config; never the
-  Flower node id, which changes between runs). Shard sizes reported there give n, treated as public.
+  Flower node id, which changes between runs). Shard sizes reported there give n (public: the unit of privacy
+  fixes both, server/ledger.py).
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
 - Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.05 s) and a deadline

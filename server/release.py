@@ -62,8 +62,8 @@ def sum_rounding_factor(n: int) -> float:
     roundings cover the float computation of S, of the clipped-count constant, of f and of the noise stds:
     (1 + 2 n gamma_n)(1 + gamma_16) <= f(n), since gamma_a + gamma_b + gamma_a gamma_b <= gamma_{a + b}
     (Higham, Lemma 3.3). The rounding of adding the noise is the floating-point sampling caveat (Mironov
-    2012), which this does not cover. In float32 the same bound (u = 2^-24) would exceed 1 + 2 for n above
-    ~5,000: a float32 sum's rounding, which changes when one record changes, is outside any useful sensitivity
+    2012), which this does not cover. In float32 the same bound (u = 2^-24) would exceed 3 for n above 4,080:
+    a float32 sum's rounding, which changes when one record changes, is outside any useful sensitivity
     (Casacuberta et al., CCS 2022)."""
     if n < 0:
         raise ValueError(f"n must be >= 0 records, got {n}")

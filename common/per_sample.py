@@ -274,22 +274,27 @@ def clipped_sum(v: torch.Tensor, bound: float) -> torch.Tensor:
     return clipped_sum_and_count(v, bound)[0]
 
 
-# Most float64 entries of the copy that a float64 sum of float32 rows converts at a time (32 MiB).
-SUM_SLICE_ENTRIES = 2**22
+# Most float64 entries of the copy that a float64 sum of float32 rows converts at a time (1 MiB, so it stays in
+# cache). Measured on one CPU thread at load average 3, a (256, 26106) float32 chunk: 4.9 ms, against 1.4 ms for
+# its float32 matrix-vector product and 34 ms for converting the whole chunk at once.
+SUM_SLICE_ENTRIES = 2**17
 
 
 def sum64(coef: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """sum_i coef_i v_i, shape (D,) float64, for coef (B,) float64 and rows v (B, D) of any float dtype: every
-    product and addition in float64. v's entries convert to float64 exactly, a column slice of at most
-    ``SUM_SLICE_ENTRIES`` entries at a time, so the float64 copy stays small.
+    product and addition in float64. v's entries convert to float64 exactly, a slice of rows of at most
+    ``SUM_SLICE_ENTRIES`` entries (or one row) at a time, each slice's sum added to the total.
 
     Rounding: each coordinate is a sum of B products, so whatever the order of the sum it is within
     gamma_B sum_i |coef_i v_ij| of the exact value (Higham 2002, eq. (3.5)), gamma_k = k u / (1 - k u), u = 2^-53."""
     rows, dim = v.shape
-    step = max(1, SUM_SLICE_ENTRIES // max(rows, 1))
-    if v.dtype == torch.float64 or dim <= step:
-        return coef @ v.to(torch.float64)
-    return torch.cat([coef @ v[:, j:j + step].to(torch.float64) for j in range(0, dim, step)])
+    if v.dtype == torch.float64:
+        return coef @ v
+    step = max(1, SUM_SLICE_ENTRIES // max(dim, 1))
+    total = torch.zeros(dim, dtype=torch.float64, device=v.device)
+    for i in range(0, rows, step):
+        total.addmv_(v[i:i + step].to(torch.float64).t(), coef[i:i + step])
+    return total
 
 
 def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, int]:

@@ -234,16 +234,18 @@ def test_row_blocks_and_unclipped_sums_are_float64():
         np.testing.assert_allclose(inf_sum.numpy(), want.numpy(), rtol=1e-12)
 
 
-def test_sum64_slices_wide_float32_rows_into_the_same_float64_sum(monkeypatch):
+@pytest.mark.parametrize("slice_entries", [2**17, 3 * 1000, 10])  # one slice, slices of 3 rows, one row each
+def test_sum64_sums_float32_rows_in_float64_slice_by_slice(monkeypatch, slice_entries):
     from dpdro.common import per_sample
 
-    v = torch.randn(5, 1000, generator=torch.Generator().manual_seed(2)).float()
-    coef = torch.rand(5, dtype=torch.float64)
-    whole = per_sample.sum64(coef, v)
-    monkeypatch.setattr(per_sample, "SUM_SLICE_ENTRIES", 5 * 64)  # slices of 64 columns
-    sliced = per_sample.sum64(coef, v)
-    assert sliced.dtype == torch.float64 and torch.equal(sliced, whole)
-    torch.testing.assert_close(whole, coef @ v.double(), rtol=0, atol=0)
+    v = torch.randn(7, 1000, generator=torch.Generator().manual_seed(2)).float()
+    coef = torch.rand(7, dtype=torch.float64)
+    monkeypatch.setattr(per_sample, "SUM_SLICE_ENTRIES", slice_entries)
+    total = per_sample.sum64(coef, v)
+    exact = np.array([math.fsum(c) for c in (v.double().numpy() * coef.numpy()[:, None]).T])
+    assert total.dtype == torch.float64
+    np.testing.assert_allclose(total.numpy(), exact, rtol=0, atol=gamma(8) * float((coef @ v.double().abs()).max()))
+    assert per_sample.sum64(coef[:0], v[:0]).tolist() == [0.0] * 1000
 
 
 def test_sum_rounding_factor_values():

@@ -137,7 +137,10 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
     """Sum over the records ``rows`` of clip_{clip}(sum_j coefs[j] fn(flats[j], scalars[j])), shape (dim,),
     float64 on x's device, and the number of records whose vector was scaled down by the clip: the work of
     one client on one query. Each record's vector is clipped exactly to ``clip`` in its dtype, rounding
-    included (``per_sample.clip_scales``), so the server's reply check never rejects an honest sum.
+    included (``per_sample.clip_scales``), so the server's reply check never rejects an honest sum. Every
+    addition, within a chunk and across chunks, is in float64 (``per_sample.sum64``), so the sum is within
+    gamma_m m clip of the exact sum of the m clipped vectors (gamma_m in u = 2^-53) whatever the dtype: the
+    bound the release's noise is inflated for (``release.sum_rounding_factor``).
 
     Records are processed ``chunk_size`` at a time (vectorised within a chunk), so peak memory grows with
     chunk_size * dim, not with the number of records. ``flats`` are (d,) parameter points, ``rows`` (m,)
@@ -156,7 +159,7 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
         else:
             v = _combined_rows(fn, model, flats, scalars, coefs, xb, yb, problem, extra, kw)
         part, n_clipped = clipped_sum_and_count(v, clip)
-        total += part.to(torch.float64)
+        total += part
         clipped += n_clipped
     return total, clipped
 

@@ -181,7 +181,7 @@ def class_weighted_grad(model, flat, scalar, x, y, problem, extra=(), groups=Non
 @register_quantity("class-onehot")
 def class_onehot(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
     """e_y per record, shape (B, K) with K = len(extra): summed, the class histogram (norm 1 per record, so
-    its sensitivity under add/remove is 1). Touches no parameter."""
+    its sensitivity against the null record is 1). Touches no parameter."""
     return torch.nn.functional.one_hot(y, len(extra)).to(flat.dtype)
 
 

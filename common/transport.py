@@ -34,7 +34,8 @@ class Transport(Protocol):
 
     @property
     def num_records(self) -> int:
-        """Total number of training records over all clients (treated as public)."""
+        """Total number of training records over all clients (public: the unit of privacy fixes it,
+        server/ledger.py)."""
 
     @property
     def num_clients(self) -> int:

@@ -328,7 +328,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the privacy plan of a configuration without training: every release kind with its count, sampling
     rate and calibrated noise multiplier, delta, and the planned epsilon under both accountants. Loads the
-    training split only to count its records (n, treated as public)."""
+    training split only to count its records (n, public: fixed by the unit of privacy)."""
     cfg = config_from_args(args)  # a configuration error answers before torch is imported
     from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config

@@ -1,10 +1,23 @@
 """The privacy ledger: planned releases, calibration and a guard, all on Google's dp-accounting.
 
 Contract (ALGORITHMS.md 5.2). Every release is a Poisson-subsampled Gaussian: each record is included
-independently with rate r, clipped per-record vectors (norm <= C) are summed and N(0, (z C)^2) noise is
-added to the sum. Its DpEvent is PoissonSampledDpEvent(r, GaussianDpEvent(z)). The neighbouring relation
-is add/remove one record of the union of all clients' data (the relation Poisson amplification is proved
-for); n is public.
+independently with rate r, clipped per-record vectors (norm <= C) are summed and N(0, (z C f)^2) noise is
+added to the sum (f the float64 rounding factor, ``release.sum_rounding_factor``). Its DpEvent is
+PoissonSampledDpEvent(r, GaussianDpEvent(z)).
+
+Neighbouring relation (``NEIGHBOURING_RELATION``): replace one record of the union of all clients' data with
+the null record, n fixed (dp-accounting's ``NeighboringRelation.REPLACE_SPECIAL``; Kairouz et al. 2021,
+arXiv:2103.00039, Definition 1.1). The null record stays on its client, so n and every client's shard size are
+the same in neighbouring data sets and releasing them costs nothing. It is sampled like any record and
+contributes the zero vector to every release: no gradient, not counted as clipped (the clipped-count
+coordinate), no label or group in the histograms, 0 to the eta-init loss sum. For a Poisson-subsampled
+Gaussian that is the add/remove analysis: given the other records' sum s, a record y gives
+(1 - r) N(s, sigma^2) + r N(s + y, sigma^2) and the null record N(s, sigma^2) whether sampled or not, exactly the
+pair of adding or removing y. Both of dp-accounting's accountants support it with that privacy loss: the PLD
+(``from_gaussian_mechanism`` treats REPLACE_SPECIAL as ADD_OR_REMOVE_ONE: the remove and add PMFs of the
+subsampled mixture) and the RDP accountant (``_compute_rdp_poisson_subsampled_gaussian`` for both relations; it
+refuses REPLACE_ONE for Poisson sampling). Both are told the relation; tests/test_ledger.py checks the epsilon
+against a direct integration of the hockey-stick divergence of that pair.
 
 - A ``Mechanism`` is a named kind of release (e.g. 'x-refresh') with a sampling rate and a noise multiplier
   relative to the others. An algorithm declares its plan: how many releases of each mechanism.
@@ -45,6 +58,8 @@ from ..common.config import ConfigError
 
 ACCOUNTANTS = ("pld", "rdp")
 DEFAULT_ACCOUNTANT = "pld"
+# The unit of privacy (module docstring): one record replaced with the null record, n fixed.
+NEIGHBOURING_RELATION = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
 
 # PLD discretisation (value_discretization_interval, in nats of privacy loss), finest first. The estimate is
 # pessimistic (rounds the privacy loss up), so a coarser grid only loosens epsilon: on the main job's plan
@@ -93,13 +108,14 @@ class Mechanism:
 
 
 def make_accountant(kind: str) -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant ('rdp' or 'pld', add/remove adjacency). The ledger's own PLD
+    """A fresh dp-accounting accountant ('rdp' or 'pld') for ``NEIGHBOURING_RELATION``. The ledger's own PLD
     evaluation (``epsilon_of``) builds its PLDs directly to bound their size; this accountant is for callers
-    that compose events one by one."""
+    that compose events one by one. ValueError for another kind."""
     if kind == "rdp":
-        return rdp_privacy_accountant.RdpAccountant()
+        return rdp_privacy_accountant.RdpAccountant(neighboring_relation=NEIGHBOURING_RELATION)
     if kind == "pld":
-        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETISATIONS[0])
+        return pld_privacy_accountant.PLDAccountant(neighboring_relation=NEIGHBOURING_RELATION,
+                                                    value_discretization_interval=PLD_DISCRETISATIONS[0])
     raise ValueError(f"unknown accountant {kind!r}; allowed: {', '.join(ACCOUNTANTS)}")
 
 
@@ -136,7 +152,7 @@ def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
 @functools.lru_cache(maxsize=512)
 def _epsilon_cached(items: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
     if accountant == "rdp":
-        acc = rdp_privacy_accountant.RdpAccountant()
+        acc = make_accountant("rdp")
         acc.compose(composed_event({(r, z): c for r, z, c in items}))
         return float(acc.get_epsilon(delta))
     return float(_pld(items).get_epsilon_for_delta(delta))
@@ -177,7 +193,7 @@ def _pld_at(items: tuple[tuple[float, float, int], ...], vdi: float) -> pld_lib.
             raise _TooLarge(base_points)
         base = pld_lib.from_gaussian_mechanism(
             standard_deviation=z, sampling_prob=rate, value_discretization_interval=vdi,
-            log_mass_truncation_bound=_PLD_LOG_MASS_TRUNCATION)
+            log_mass_truncation_bound=_PLD_LOG_MASS_TRUNCATION, neighboring_relation=NEIGHBOURING_RELATION)
         points = max(_self_composed_points(pmf, count) for pmf in _pmfs(base))
         total += points
         if points > PLD_MAX_POINTS or total > PLD_MAX_POINTS:

@@ -16,6 +16,9 @@ clip sqrt(1 + c^2) with the clipped-count coordinate); where that noise is drawn
   carries m times the variance).
 
 The result is divided by the expected batch size rate * n, never by the realised count (which is private).
+
+The sums are float64 (clients: ``per_sample.sum64``; server: ``aggregate``), and their rounding is part of the
+sensitivity: every noise std above is z S f(n), f(n) = ``sum_rounding_factor(n)`` (1 + 8.0e-7 for n = 60,000).
 """
 
 from __future__ import annotations
@@ -36,22 +39,54 @@ class ReplyError(ValueError):
     """A client's reply is malformed and was not aggregated; the message names the partition and why."""
 
 
+U64 = 2.0**-53  # unit roundoff of float64
+
+
+def gamma(terms: int, unit: float = U64) -> float:
+    """gamma_k = k u / (1 - k u), the bound on the relative error of k roundings of unit roundoff u (Higham 2002,
+    Lemma 3.1). ValueError unless 0 <= k u < 1/2."""
+    if not 0 <= terms * unit < 0.5:
+        raise ValueError(f"gamma_k needs 0 <= k u < 1/2; got k = {terms}, u = {unit:g}")
+    return terms * unit / (1.0 - terms * unit)
+
+
+def sum_rounding_factor(n: int) -> float:
+    """f(n) = 1 + 2 (n + 16) gamma_{n + 16} in float64 (u = 2^-53), for a data set of n records (public): the
+    sensitivity of a released sum, float64 rounding included, is at most f(n) S for records of norm <= S, so
+    every release's noise std is z S f(n). 1 + 8.0e-7 for n = 60,000, 1 + 2.2e-4 for n = 10^6 (it grows as
+    2 n^2 u). It depends on n only, never on the data. ValueError for n < 0.
+
+    Proof. The clipped vectors y_i have exact norm <= S (``per_sample.clip_margin``). Clients and server sum them
+    in float64 (``per_sample.sum64``, ``client.worker.clipped_total``, ``aggregate``): each coordinate is a sum
+    over the L <= n sampled records in which every term goes through one product and at most L - 1 additions
+    (adding an exact zero is exact), so it is within gamma_n sum_i |y_ij| of the exact sum, whatever the order
+    (Higham 2002, Lemma 3.1 and eq. (3.5)); in L2 norm that is <= gamma_n L S. Two neighbouring data sets (one
+    record replaced by the null record, which contributes the zero vector; ledger module docstring) give, on the
+    same sample, exact sums at most S apart, so computed sums at most S (1 + 2 n gamma_n) apart. The extra 16
+    roundings cover the float computation of S, of the clipped-count constant, of f and of the noise stds:
+    (1 + 2 n gamma_n)(1 + gamma_16) <= f(n), since gamma_a + gamma_b + gamma_a gamma_b <= gamma_{a + b}
+    (Higham, Lemma 3.3). The rounding of adding the noise is the floating-point sampling caveat (Mironov
+    2012), which this does not cover. In float32 the same bound (u = 2^-24) would exceed 3 for n above 4,080:
+    a float32 sum's rounding, which changes when one record changes, is outside any useful sensitivity
+    (Casacuberta et al., CCS 2022)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0 records, got {n}")
+    return 1.0 + 2.0 * (n + 16) * gamma(n + 16)
+
+
 def reply_tolerance(dtype: str, count: int, dim: int) -> float:
     """Relative slack of an honest reply's norm over sensitivity x count, for a client computing in ``dtype``
     (config key dtype: 'float32' or 'float64') that summed ``count`` clipped vectors of length ``dim``.
 
     Each clipped vector has exact norm <= the sensitivity (``per_sample.clip_scales`` clips with a safety
-    margin), so only the summation can overshoot: a sum of count terms in a dtype of unit roundoff u errs by at
-    most gamma_count = count u / (1 - count u) times the sum of the terms' norms (Higham 2002, sec. 3.1;
-    any summation order); the float64 sum over chunks, the count coordinate and the server's own norm add
-    gamma_{count + dim + 8} in float64. Example: count 1 in float32 gives 6e-8, count 1000 gives 6e-5."""
+    margin), so only the summation can overshoot. The slack is that of a sum of count terms in ``dtype``:
+    gamma_count = count u / (1 - count u) (u the dtype's unit roundoff) times the sum of the terms' norms
+    (Higham 2002, sec. 3.1; any summation order), plus gamma_{count + dim + 8} in float64 for the float64 sum
+    over chunks, the count coordinate and the server's own norm. Our clients sum in float64
+    (``per_sample.sum64``: within gamma_count in float64), well inside it. Example: count 1 in float32 gives
+    6e-8, count 1000 gives 6e-5."""
     u = float(np.finfo(np.dtype(dtype)).eps) / 2
-    u64 = float(np.finfo(np.float64).eps) / 2
-
-    def gamma(terms: int, unit: float) -> float:
-        return terms * unit / (1.0 - terms * unit)
-
-    return gamma(count, u) + gamma(count + dim + 8, u64)
+    return gamma(count, u) + gamma(count + dim + 8)
 
 
 def check_reply(query: Query, reply: Reply, dtype: str) -> None:
@@ -97,7 +132,8 @@ def split_valid(query: Query, replies: list[Reply], dtype: str) -> tuple[list[Re
 
 
 def aggregate(query: Query, replies: list[Reply]) -> np.ndarray:
-    """Sum (query.out_dim,) float64 of (already validated) replies, in partition order."""
+    """Sum (query.out_dim,) float64 of (already validated) replies, in partition order (its rounding is part of
+    ``sum_rounding_factor``)."""
     total = np.zeros(query.out_dim, dtype=np.float64)
     for r in sorted(replies, key=lambda r: r.partition):
         total += np.asarray(r.total, dtype=np.float64)

@@ -27,6 +27,7 @@ from .release import (
     server_noise_std,
     server_view_multiplier,
     split_valid,
+    sum_rounding_factor,
 )
 from .rundir import RunDir
 
@@ -89,10 +90,14 @@ class Releaser:
     is refused. In distributed mode each client's share is calibrated for ``shares`` = m_min
     (``release.min_shares``), so every released sum (at least m_min shares) protects against the server with at
     least the planned multiplier.
+
+    Every noise std is z S f, S the query's sensitivity and f = ``release.sum_rounding_factor(n)`` (the float64
+    rounding of the sums, for n records): ``noise_sensitivity``.
     """
 
     def __init__(self, cfg: Config, transport: Transport, ledger: Ledger, n: int, rd: RunDir) -> None:
         self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
+        self.sum_factor = sum_rounding_factor(n)
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant)
@@ -111,8 +116,13 @@ class Releaser:
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
-        share = client_noise_std(cfg.noise_mode, z, q.sensitivity, self.shares)
+        share = client_noise_std(cfg.noise_mode, z, self.noise_sensitivity(q), self.shares)
         return dataclasses.replace(q, noise_std=share)
+
+    def noise_sensitivity(self, q: Query) -> float:
+        """The sensitivity the noise of ``q`` is calibrated to: its per-record bound times the float64 rounding
+        factor of a sum of n records, S f(n) (``release.sum_rounding_factor``)."""
+        return q.sensitivity * self.sum_factor
 
     def run(self, raw: Sequence[Query], versions: dict[int, np.ndarray], *, setup: bool = False
             ) -> dict[str, np.ndarray]:
@@ -135,22 +145,22 @@ class Releaser:
             z = self.ledger.noise_multiplier(q.mechanism)
             mode = self.cfg.noise_mode
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
-            std = server_noise_std(mode, z, q.sensitivity, self.shares, clients)
+            std = server_noise_std(mode, z, self.noise_sensitivity(q), self.shares, clients)
             mean = noisy_mean(q, total, std, self.n, rng)
             expected = q.rate * self.n
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
-                     "noise_std_of_mean": z * q.sensitivity / expected}
+                     "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
             if mode != "central" and seen is not None:
                 event["server_view_multiplier"] = seen
             if mode != "central" and z > 0:
                 event["server_topup_std"] = std
-                event["released_noise_std_of_mean"] = released_noise_std(mode, z, q.sensitivity, self.shares,
-                                                                          clients) / expected
+                event["released_noise_std_of_mean"] = released_noise_std(
+                    mode, z, self.noise_sensitivity(q), self.shares, clients) / expected
                 bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
-                    self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * q.sensitivity))
+                    self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * self.noise_sensitivity(q)))
             if setup:
                 event["phase"] = "setup"
             if q.count_scale > 0:

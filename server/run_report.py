@@ -161,8 +161,8 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
                      "saved in summary.json; the figures below hold only for the same mechanism with secret seeds.")
     if private or seeded:
         lines += [f"- (epsilon, delta) = ({_fmt_eps(summary['epsilon_spent'])}, {summary['delta']:.3g}) spent "
-                  f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, record-level, add/remove "
-                  f"adjacency, accountant {summary['accountant']}",
+                  f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, record-level (one record replaced "
+                  f"with a null record, n fixed), accountant {summary['accountant']}",
                   f"- Noise mode: {summary['noise_mode']}. Trust model: {summary['trust_model']}"]
         if summary["noise_mode"] != "central" and summary.get("epsilon_against_server") is not None:
             lines.append(f"- Epsilon against the server itself: {_fmt_eps(summary['epsilon_against_server'])}")

@@ -2,7 +2,7 @@
 ledger like every other release.
 
 - 'class-histogram' (when a logit adjustment is configured with class-prior='private'): every record
-  contributes its one-hot label e_y (norm 1, so the sensitivity under add/remove is 1); the sum gets
+  contributes its one-hot label e_y (norm 1, the null record 0, so the sensitivity is 1); the sum gets
   N(0, z_h^2 I_K) with z_h = prior-noise-multiplier. The priors are post-processing of the noisy counts:
   pi_k = max(c_k, 1) / sum_j max(c_j, 1), a valid distribution with no zero (log pi is finite).
 - 'group-histogram' (dro-level=group with dro-groups=attribute): the same for the declared group attribute,

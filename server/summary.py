@@ -91,9 +91,10 @@ def not_accounted(cfg: Config, setup) -> list[str]:
         out.append("SecAgg+ quantisation: the rounding of each client's noised sum (grid step at most "
                    f"{SECAGG_STEP_OVER_SHARE_STD:g} x a share's noise std, checked before the run; bounded and "
                    "reported per release) is not modelled by the Gaussian accounting")
+    # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
+    # client) keeps them the same in neighbouring data sets (server/ledger.py)
     if cfg.private:  # assumptions every private run makes (README, 'What is private')
-        out += ["n and the clients' shard sizes: treated as public (released exactly in the summary)",
-                "floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
+        out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
                 "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
     return out + ["hyper-parameters chosen by the user are not privacy-accounted"]

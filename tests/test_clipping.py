@@ -15,13 +15,14 @@ from hypothesis import strategies as st
 from dpdro.common.messages import Point, Query, Reply
 from dpdro.common.per_sample import (
     RowBlocks,
+    _clip_factors,
     clip_margin,
     clip_rows,
     clip_scales,
     clipped_sum_and_count,
     norm_upper_bound,
 )
-from dpdro.server.release import ReplyError, check_reply, reply_tolerance
+from dpdro.server.release import ReplyError, check_reply, gamma, reply_tolerance, sum_rounding_factor
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -176,3 +177,80 @@ def test_replies_of_another_dtype_than_float64_are_rejected(dtype):
     q = Query(1, "x-refresh", "dual-x", (Point(0, 0.0),), 0.1, 1.0, 2)
     with pytest.raises(ReplyError, match=f"dtype {np.dtype(dtype)}, expected float64"):
         check_reply(q, Reply(q.qid, 4, np.zeros(2, dtype=dtype), 1), "float32")
+
+
+# ---- float64 sums: one record moves a released sum by at most S f(n) ----
+
+def _records_of_norm_two(n: int, seed: int) -> torch.Tensor:
+    """n float32 records of norm 2 (each is clipped to 1) with a positive first coordinate, so the sum's first
+    coordinate grows to ~n / 2, where float32's grid step is ~n 2^-25."""
+    v = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    v = v / torch.linalg.vector_norm(v, dim=1, keepdim=True) * 2.0
+    v[:, 0] = v[:, 0].abs()
+    return v.float()
+
+
+def test_float32_records_are_summed_in_float64_within_the_inflated_sensitivity():
+    """Replacing one of n = 4096 float32 records with the null record (zero vector) moves the clipped sum by at
+    most S f(n), f(n) - 1 = 3.8e-9 (``sum_rounding_factor``): the sum is float64 and within gamma_n n S of the
+    exact sum of the clipped records. The same sums in float32 (the old chunk sums) move by up to 1 + 1.6e-4 and
+    err by ~1e-4: far outside any bound the noise could be inflated for."""
+    n, clip = 4096, 1.0
+    f = sum_rounding_factor(n)
+    assert f - 1 == pytest.approx(3.75e-9, rel=1e-2)
+    float32_outside = 0
+    for seed in range(8):
+        v = _records_of_norm_two(n, seed)
+        null = v.clone()
+        null[-1] = 0.0
+        total, clipped = clipped_sum_and_count(v, clip)
+        other, _ = clipped_sum_and_count(null, clip)
+        assert total.dtype == torch.float64 and clipped == n
+        assert float(torch.linalg.vector_norm(total - other)) <= clip * f
+        # against the exact sum of the clipped records: math.fsum of float64 products (each within u of exact)
+        scale = _clip_factors(norm_upper_bound(v), clip).numpy()
+        rows = v.double().numpy() * scale[:, None]
+        assert np.all(np.linalg.norm(rows, axis=1) <= clip)
+        exact = np.array([math.fsum(rows[:, j]) for j in range(3)])
+        assert np.linalg.norm(total.numpy() - exact) <= gamma(n + 1) * n * clip
+        # the old float32 chunk sum of the same clipped records
+        sum32 = torch.as_tensor(scale).float() @ v
+        assert np.linalg.norm(sum32.double().numpy() - exact) > 1e3 * gamma(n + 1) * n * clip
+        moved32 = float(torch.linalg.vector_norm(sum32.double() - (torch.as_tensor(scale).float() @ null).double()))
+        float32_outside += moved32 > clip * f
+    assert float32_outside >= 2
+
+
+def test_row_blocks_and_unclipped_sums_are_float64():
+    v = _records_of_norm_two(300, 1)
+    blocks = RowBlocks([v[:, :1].clone(), v[:, 1:].clone()], torch.full((300,), 0.5))
+    total, clipped = clipped_sum_and_count(blocks, 0.7)
+    ref, ref_clipped = clipped_sum_and_count(v * 0.5, 0.7)
+    assert total.dtype == torch.float64 and clipped == ref_clipped == 300
+    np.testing.assert_allclose(total.numpy(), ref.numpy(), rtol=4 * clip_margin(torch.float32))  # two norm bounds
+    for inf_sum, want in ((clipped_sum_and_count(v, math.inf)[0], v.double().sum(0)),
+                          (clipped_sum_and_count(blocks, math.inf)[0], 0.5 * v.double().sum(0))):
+        assert inf_sum.dtype == torch.float64
+        np.testing.assert_allclose(inf_sum.numpy(), want.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("slice_entries", [2**17, 3 * 1000, 10])  # one slice, slices of 3 rows, one row each
+def test_sum64_sums_float32_rows_in_float64_slice_by_slice(monkeypatch, slice_entries):
+    from dpdro.common import per_sample
+
+    v = torch.randn(7, 1000, generator=torch.Generator().manual_seed(2)).float()
+    coef = torch.rand(7, dtype=torch.float64)
+    monkeypatch.setattr(per_sample, "SUM_SLICE_ENTRIES", slice_entries)
+    total = per_sample.sum64(coef, v)
+    exact = np.array([math.fsum(c) for c in (v.double().numpy() * coef.numpy()[:, None]).T])
+    assert total.dtype == torch.float64
+    np.testing.assert_allclose(total.numpy(), exact, rtol=0, atol=gamma(8) * float((coef @ v.double().abs()).max()))
+    assert per_sample.sum64(coef[:0], v[:0]).tolist() == [0.0] * 1000
+
+
+def test_sum_rounding_factor_values():
+    assert sum_rounding_factor(60_000) - 1 == pytest.approx(8.0e-7, rel=1e-2)
+    assert sum_rounding_factor(10**6) - 1 == pytest.approx(2.22e-4, rel=1e-2)
+    assert 1 < sum_rounding_factor(0) < 1 + 1e-13
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        sum_rounding_factor(-1)

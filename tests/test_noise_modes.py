@@ -15,7 +15,8 @@ from dpdro.client.local_transport import LocalTransport
 from dpdro.client.worker import ShardWorker
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset, load_from_config
-from dpdro.common.messages import Point, Query
+from dpdro.common.messages import Point, Query, Reply
+from dpdro.common.transport import RoundResult
 from dpdro.server.engine import train
 from dpdro.server.ledger import Ledger, Mechanism, PrivacyBudgetExceeded, epsilon_of
 from dpdro.server.release import (
@@ -28,6 +29,7 @@ from dpdro.server.release import (
     secagg_grid,
     server_noise_std,
     server_view_multiplier,
+    sum_rounding_factor,
 )
 from dpdro.server.releaser import Releaser
 from dpdro.server.rundir import RunDir
@@ -186,6 +188,40 @@ def test_client_noise_is_seeded_from_the_os_csprng_unless_reproducible(monkeypat
     c = seeded.answer(_histogram_query(3, 1.0), {0: np.zeros(1)}).total
     d = seeded.answer(_histogram_query(3, 1.0), {0: np.zeros(1)}).total
     assert np.array_equal(c, d) and not calls
+
+
+class _ZeroTransport:
+    """m clients that reply with zero sums."""
+
+    def __init__(self, m: int, n: int) -> None:
+        self.num_clients, self.num_records = m, n
+
+    def run(self, queries, versions):
+        count = -1 if queries[0].noise_std > 0 else 0  # a noised reply does not disclose its count
+        return RoundResult({q.qid: [Reply(q.qid, pid, np.zeros(q.out_dim), count) for pid in range(self.num_clients)]
+                            for q in queries})
+
+
+@pytest.mark.parametrize("mode", ["distributed", "local", "central"])
+def test_noise_std_includes_the_float64_rounding_factor(tmp_path, mode):
+    """Every noise std is z S f(n), f(n) = sum_rounding_factor(n) = 1 + 2.2e-4 for n = 10^6 records: the clients'
+    shares (distributed, local) and the released std (the event's noise_std_of_mean)."""
+    n = 10**6
+    cfg = Config.from_mapping({"algorithm": "dp-sgd", "noise-mode": mode, "num-clients": M, "epsilon": 4.0,
+                               "out-dir": str(tmp_path)})
+    rd = RunDir(tmp_path)
+    rd.create()
+    releaser = Releaser(cfg, _ZeroTransport(M, n), Ledger({Mechanism("grad", 0.01): 3}, {"grad": Z}, 4.0, 1e-7),
+                        n, rd)
+    q = Query(0, "grad", "class-onehot", (Point(0, 0.0),), 0.01, CLIP, 10, extra=(0.0,) * 10)
+    sent = releaser.decorate(q)
+    f = sum_rounding_factor(n)
+    assert f - 1 == pytest.approx(2.22e-4, rel=1e-2)
+    share = {"distributed": Z * sent.sensitivity * f / math.sqrt(M), "local": Z * sent.sensitivity * f, "central": 0}
+    assert sent.noise_std == pytest.approx(share[mode], rel=1e-12)
+    releaser.run([q], {0: np.zeros(1)})
+    [event] = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert event["noise_std_of_mean"] == pytest.approx(Z * sent.sensitivity * f / (0.01 * n), rel=1e-12)
 
 
 def test_noise_modes_refuse_what_cannot_be_private():

@@ -227,8 +227,9 @@ def _on_warm_worker(context: Context, request: dict):
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    """This node's partition id and shard size (treated as public); resets its cache of model versions.
-    In a deployment this starts the node's warm worker, which builds the shard and model for the releases.
+    """This node's partition id and shard size (public: the unit of privacy fixes it, server/ledger.py); resets its
+    cache of model versions. In a deployment this starts the node's warm worker, which builds the shard and model
+    for the releases.
     A node that cannot take part (its data cannot be loaded, e.g. its data folder is missing, or its node
     config does not fit the run) answers with its partition id (-1 if its node config names none) and the error
     (key 'error') instead of a size, so that the server names the partition and applies on-client-failure."""

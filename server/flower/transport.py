@@ -1,9 +1,10 @@
 """The Flower transport: executes queries on the nodes of a Flower Grid (simulation or deployment).
 
 - Nodes are matched to partitions by a 'hello' round (partition id from each node's node_config; never the
-  Flower node id, which changes between runs). Shard sizes reported there give n, treated as public. A node
-  that fails there (e.g. its data folder is missing) is handled by config key on-client-failure like a failed
-  release; a dropped node takes no part in the run. Failures are named by partition and node id.
+  Flower node id, which changes between runs). Shard sizes reported there give n (public: the unit of privacy
+  fixes both, server/ledger.py). A node that fails there (e.g. its data folder is missing) is handled by config
+  key on-client-failure like a failed release; a dropped node takes no part in the run. Failures are named by
+  partition and node id.
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
 - Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.05 s) and a deadline

@@ -129,6 +129,11 @@ def _fmt_eps(v) -> str:
     return "inf" if math.isinf(v) else f"{v:.4g}"
 
 
+# How the class priors of a run were obtained (summary.json class_prior), as the model card says it.
+PRIOR_SOURCES = {"private": "released from the training records with noise and charged in the ledger",
+                 "public": "declared public by the user (class-prior-values), not released from the data"}
+
+
 def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> str:
     """MODEL_CARD.md text of a finished run from its summary.json dict and model.json dict."""
     per_class = summary["per_class_accuracy"]
@@ -147,8 +152,9 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
              "- Files: `model.pt` (state_dict), `model.json` (how to build the model and predict), "
              "`final_params.npy` (the same weights as one flat vector)",
              "- Prediction: argmax of the logits" + (
-                 f" minus {model['posthoc_tau']:g} log(class priors) (post-hoc logit adjustment; the priors, "
-                 f"{summary.get('class_prior')}, are in model.json)" if model.get("prediction_shift") is not None
+                 f" minus {model['posthoc_tau']:g} log(class priors) (post-hoc logit adjustment; the priors are in "
+                 f"model.json: {PRIOR_SOURCES.get(summary.get('class_prior'), summary.get('class_prior'))})"
+                 if model.get("prediction_shift") is not None
                  else ""),
              "", "## Data and training", "",
              f"- Data set: {model.get('data', summary['dataset'])}; n = {summary['n']} training records over "

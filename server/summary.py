@@ -97,13 +97,16 @@ def not_accounted(cfg: Config, setup) -> list[str]:
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
                 "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
-    return out + ["hyper-parameters chosen by the user are not privacy-accounted"]
+    if "hyper-parameters" not in cfg.chosen_on_private:
+        out.append("hyper-parameters: not privacy-accounted (if you chose them on the private records, that choice "
+                   "leaks too; config key chosen-on-private-data records such choices)")
+    return out
 
 
 # What not_accounted says for each item of config key chosen-on-private-data (common.config.CHOSEN_ON_PRIVATE).
 CHOSEN_ON_PRIVATE_TEXT = {
     "hyper-parameters": "hyper-parameters chosen on a validation split of the private training records (a search "
-                        "such as dpdro tune): not accounted",
+                        "such as dpdro tune, whose trials docs/TUNING.md lists): not accounted",
     "model": "model or checkpoint chosen on a validation split of the private training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "
                    "(applying a tau is post-processing; choosing it on private records is not)",

@@ -28,7 +28,8 @@ from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is t
 ROLES = ("data", "runtime", "privacy", "algorithm")
 
 
-# Config key ``model-fix`` (common/model_fix.py: what each value does to a model).
+# Config key ``model-fix``: common/model_fix.py's MODEL_FIXES, repeated so that validating a key imports no torch
+# (tests/test_model_fix.py checks that both agree).
 MODEL_FIXES = ("none", "groupnorm")
 
 # What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).

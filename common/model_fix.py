@@ -22,7 +22,8 @@ import math
 
 from torch import nn
 
-from .config import MODEL_FIXES
+# config key ``model-fix``: the allowed values (common/config.py repeats them without importing torch; a test checks)
+MODEL_FIXES = ("none", "groupnorm")
 
 
 def batchnorm_to_groupnorm(module: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import dpdro
+from dpdro.common import config, model_fix
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.model_fix import fix_model
 from dpdro.common.models import ModelError, check_per_record, make_model, validate_model
@@ -104,6 +105,7 @@ def test_bad_model_fix_value_is_refused_naming_key_value_and_choices():
     with pytest.raises(ValueError, match="config key 'model-fix': got 'group'; allowed: none, groupnorm"):
         fix_model(nn.Linear(2, 2), "group")
     assert Config.from_mapping({}).model_fix == "none"
+    assert config.MODEL_FIXES == model_fix.MODEL_FIXES
 
 
 @pytest.fixture

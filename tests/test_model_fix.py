@@ -170,3 +170,21 @@ def test_make_model_applies_the_fix_before_the_probe(user_code):
     assert isinstance(model[3], nn.GroupNorm)
     again = make_model("user_code:batchnorm_channels", 3, 0, input_shape=(2,), fix="groupnorm")
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_the_resnet18_example_trains_torchvision_resnet18_with_groupnorm(tmp_path):
+    """examples/fit_resnet18.py (about a minute on the project's 2-core machine): torchvision's resnet18, 20
+    BatchNorm layers, trains privately once model-fix=groupnorm replaced them."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).parent.parent / "examples" / "fit_resnet18.py"
+    done = subprocess.run([sys.executable, str(example), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the trained model has 20 GroupNorm and 0 BatchNorm layers" in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["n"] == 1000 and 3.9 < summary["epsilon_spent"] <= 4.0 + 1e-9
+    assert json.loads((tmp_path / "run" / "model.json").read_text())["parameters"] == 11_181_642

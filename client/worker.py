@@ -17,6 +17,7 @@ from torch import nn
 from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import UNDISCLOSED, Query, Reply
+from ..common.model_fix import fix_model
 from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, RowBlocks, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
@@ -50,10 +51,10 @@ class ShardWorker:
         # the declared group attribute (dro-groups=attribute); None for a data set without one
         self.groups = shard.groups.to(self.device) if shard.groups is not None else None
         if module is not None:
-            base = validate_model(copy.deepcopy(module).to(self.dtype))
+            base = validate_model(fix_model(copy.deepcopy(module), cfg.model_fix).to(self.dtype))
         else:
             base = make_model(resolve_model(cfg.model, cfg.dataset), shard.num_classes, cfg.seed, self.dtype,
-                              tuple(shard.x.shape[1:]))
+                              tuple(shard.x.shape[1:]), cfg.model_fix)
         self.model = FlatModel(base.to(self.device), cfg.per_record_engine)
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}

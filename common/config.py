@@ -28,6 +28,10 @@ from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is t
 ROLES = ("data", "runtime", "privacy", "algorithm")
 
 
+# Config key ``model-fix``: common/model_fix.py's MODEL_FIXES, repeated so that validating a key imports no torch
+# (tests/test_model_fix.py checks that both agree).
+MODEL_FIXES = ("none", "groupnorm")
+
 # What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).
 SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
 
@@ -254,6 +258,9 @@ FIELDS: tuple[Field, ...] = (
           "(GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
           "CNN, any CxHxW); 'auto' picks the data set's; 'package.module:factory' builds your nn.Module "
           "(factory(num_classes[, input_shape=...])).", choices=_model_names, role="algorithm", entry_point=True),
+    Field("model-fix", "str", "none", "Make the model usable before it is checked: 'groupnorm' replaces every "
+          "BatchNorm layer (which mixes the records of a batch, so is refused) with GroupNorm(gcd(32, C), C), as "
+          "Opacus' ModuleValidator.fix; 'none' changes nothing.", choices=MODEL_FIXES, role="algorithm"),
     # DRO problem
     Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
           role="algorithm"),

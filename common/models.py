@@ -1,7 +1,8 @@
 """Models for record-level DP training, and the validator that refuses layers that mix records.
 
 BatchNorm normalises with batch statistics, so one record's output depends on the others and a
-per-record sensitivity no longer exists (ALGORITHMS.md 5.3, item 8). Only GroupNorm/LayerNorm models.
+per-record sensitivity no longer exists (ALGORITHMS.md 5.3, item 8). Only GroupNorm/LayerNorm models; config key
+``model-fix=groupnorm`` replaces a model's BatchNorm layers with GroupNorm before the check (``model_fix.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .model_fix import fix_model
 from .registry import Registry
 
 
@@ -51,8 +53,9 @@ def validate_model(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ModelError(
                 f"layer '{name or type(module).__name__}' is {type(module).__name__}: batch normalisation mixes "
-                "records, so per-record clipping bounds nothing. Replace it with nn.GroupNorm (for example "
-                "GroupNorm(min(32, channels), channels)) or nn.LayerNorm.")
+                "records, so per-record clipping bounds nothing. Set config key model-fix=groupnorm to replace "
+                "every BatchNorm with GroupNorm(gcd(32, channels), channels), or replace it yourself with "
+                "nn.GroupNorm or nn.LayerNorm.")
         if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
             raise ModelError(
                 f"layer '{name}' is {type(module).__name__} with track_running_stats=True: running statistics "
@@ -230,9 +233,12 @@ def _takes_input_shape(factory: Callable[..., Any]) -> bool:
 
 
 def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torch.float32,
-               input_shape: tuple[int, ...] | None = None) -> nn.Module:
+               input_shape: tuple[int, ...] | None = None, fix: str = "none") -> nn.Module:
     """Build and validate the model registered as ``name`` (config key ``model``; or an import path
     'package.module:factory'), initialised from ``seed`` (public). Use ``resolve_model`` first for 'auto'.
+
+    fix: config key ``model-fix`` ('none', or 'groupnorm': BatchNorm layers replaced before validation;
+    ``model_fix.fix_model``).
 
     input_shape: the shape of one record ((C, H, W) or (F,)); passed to a factory with an ``input_shape``
     parameter, and with it the model is probed by ``check_per_record`` before it is returned (once per process
@@ -254,15 +260,15 @@ def make_model(name: str, num_classes: int, seed: int, dtype: torch.dtype = torc
         torch.random.set_rng_state(gen_state)
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r}: the factory returned a {type(model).__name__}; expected an nn.Module")
-    model = validate_model(model.to(dtype))
-    probe = (name, tuple(input_shape or ()), num_classes, dtype)
+    model = validate_model(fix_model(model, fix).to(dtype))
+    probe = (name, tuple(input_shape or ()), num_classes, dtype, fix)
     if input_shape is not None and probe not in _PROBED:  # once per process: every client builds the same model
         check_per_record(model, tuple(input_shape), num_classes, name)
         _PROBED.add(probe)
     return model
 
 
-# (model name, input shape, classes, dtype) that passed ``check_per_record`` in this process
+# (model name, input shape, classes, dtype, model fix) that passed ``check_per_record`` in this process
 _PROBED: set[tuple] = set()
 
 
@@ -285,8 +291,12 @@ def check_per_record(model: nn.Module, input_shape: tuple[int, ...], num_classes
             out = flat_model.logits(flat, x)
             alone = flat_model.logits(flat, x[:1])
     except Exception as e:  # noqa: BLE001 - any failure of user code is reported with its cause
+        single = ("; a GroupNorm whose groups hold one value each (as model-fix=groupnorm makes of a BatchNorm1d "
+                  "on (B, C) features, C dividing 32) cannot normalise one record: use nn.LayerNorm(C) there"
+                  if "more than 1 value per channel" in str(e) else "")
         raise ModelError(f"{label} fails on input of shape {tuple(x.shape)} ({type(e).__name__}: {e}): it must map "
-                         f"(B, {', '.join(map(str, input_shape))}) records to (B, {num_classes}) logits") from None
+                         f"(B, {', '.join(map(str, input_shape))}) records to (B, {num_classes}) logits{single}"
+                         ) from None
     if tuple(out.shape) != (3, num_classes):
         raise ModelError(f"{label} returns shape {tuple(out.shape)} for input {tuple(x.shape)}; expected "
                          f"(3, {num_classes}): one row of {num_classes} logits per record")

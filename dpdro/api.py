@@ -169,7 +169,8 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
         untrained module of that architecture.
     progress: an ``engine.Progress`` of callbacks (on_start, on_step, on_eval), or None.
 
-    Returns a FitResult. Raises ConfigError, DataError, ModelError (a model that mixes records, e.g. BatchNorm),
+    Returns a FitResult. Raises ConfigError, DataError, ModelError (a model that mixes records, e.g. BatchNorm
+    without config key model-fix=groupnorm, which replaces it with GroupNorm in a copy: ``model`` stays as it is),
     ValueError (bad ``data``/``model`` arguments) and what training raises (PrivacyBudgetExceeded, ResumeError).
     """
     from torch import nn

@@ -345,7 +345,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     n = transport.num_records
     check_records(cfg, n)
     dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
-                                input_shape=tuple(train_set.x.shape[1:]))).dim
+                                input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)).dim
     delta = resolve_delta(cfg, n)
     plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes, train_set.num_groups), n,
                               delta)

@@ -8,6 +8,7 @@ from torch import nn
 from ..client.local_transport import LocalTransport
 from ..common.config import Config, check_device
 from ..common.data import ArrayDataset, load_from_config
+from ..common.model_fix import fix_model
 from ..common.models import validate_model
 from ..server.engine import Progress, RunResult, train
 from ..server.rundir import check_out_dir
@@ -36,6 +37,6 @@ def train_local(cfg: Config, *, resume: bool = False, progress: Progress | None 
     (``engine.train``). Raises what ``prepare_local`` and ``engine.train`` raise (ConfigError, DataError,
     ModelError, ResumeError, PrivacyBudgetExceeded)."""
     if module is not None:
-        validate_model(module)  # before any data is loaded
+        validate_model(fix_model(module, cfg.model_fix))  # before any data is loaded
     transport, test_set = prepare_local(cfg, resume=resume, data=data, module=module)
     return train(cfg, transport, test_set, resume=resume, progress=progress, module=module)

@@ -23,6 +23,7 @@ from torch import nn
 from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
+from ..common.model_fix import fix_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
 from ..common.tabular_data import training_feature_names
@@ -189,10 +190,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
     input_shape = tuple(test.x.shape[1:])
     if module is not None:  # the checks make_model runs on a registered model or an import path
-        module = validate_model(module.to(dtype))
+        module = validate_model(fix_model(module, cfg.model_fix).to(dtype))
         check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
     model = FlatModel(module if module is not None else
-                      make_model(factory, test.num_classes, cfg.seed, dtype, input_shape))
+                      make_model(factory, test.num_classes, cfg.seed, dtype, input_shape, cfg.model_fix))
     check_groups(cfg, test.num_groups)
     algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
@@ -310,7 +311,7 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
     shift = _prediction_shift(cfg, setup)
     named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
     classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
-    meta = {"factory": factory, "module_class": describe_module_class(model.module),
+    meta = {"factory": factory, "module_class": describe_module_class(model.module), "model_fix": cfg.model_fix,
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
             "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
             "input_scaling": input_scaling(test.name, cfg.to_dict()),

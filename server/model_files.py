@@ -3,7 +3,8 @@
 helpers that ``dpdro predict`` / ``dpdro evaluate`` and users share.
 
 model.json holds: ``factory`` (the config value ``model``: a registered name, or an import path once that is
-supported, or null for a module object passed to ``dpdro.fit``), ``num_classes``, ``classes`` (names),
+supported, or null for a module object passed to ``dpdro.fit``), ``model_fix`` (config key ``model-fix``, applied
+again when the module is rebuilt), ``num_classes``, ``classes`` (names),
 ``input_shape`` (one record, e.g. [1, 28, 28]), ``dtype``, the ``dataset`` and its input scaling, and what
 prediction needs beyond the weights: ``priors`` (the class priors released in the run, or declared public) and
 ``posthoc_tau``; the prediction is argmax(logits - posthoc_tau log priors) (``prediction_shift``), exactly as
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..common.model_fix import fix_model
 from ..common.models import make_model, validate_model
 from .rundir import RunFileError, atomic_write_bytes, read_json, write_json
 
@@ -70,6 +72,12 @@ class ModelSpec:
         return -self.posthoc_tau * np.log(np.asarray(self.priors, dtype=np.float64))
 
     @property
+    def model_fix(self) -> str:
+        """Config key ``model-fix`` of the run ('none' for runs from before the key): applied again when the
+        module is rebuilt, so that model.pt's keys fit."""
+        return str(self.raw.get("model_fix", "none"))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == "float64" else torch.float32
 
@@ -116,11 +124,13 @@ def read_model_spec(run_dir: str | Path) -> ModelSpec:
 
 def load_model(run_dir: str | Path, module: nn.Module | None = None) -> tuple[nn.Module, ModelSpec]:
     """(the trained model in eval mode, its ModelSpec) of a finished run: a fresh module built from model.json
-    (``make_model(factory, num_classes, seed, dtype, input_shape)``: a registered name, or an import path that
-    must import here) with model.pt loaded into it (strictly: every key must fit).
+    (``make_model(factory, num_classes, seed, dtype, input_shape, model_fix)``: a registered name, or an import path
+    that must import here; BatchNorm replaced again when the run set model-fix) with model.pt loaded into it
+    (strictly: every key must fit).
 
     ``module``: an untrained module of the same architecture to load the weights into instead, required when
-    the run trained a module object passed to ``dpdro.fit`` (model.json's factory is null then).
+    the run trained a module object passed to ``dpdro.fit`` (model.json's factory is null then); with the run's
+    model-fix, a fixed copy of it is loaded and returned (``module`` itself is left as it is).
     Raises RunFileError for missing or unreadable files, ValueError when no module can be built."""
     spec = read_model_spec(run_dir)
     if module is None:
@@ -128,9 +138,9 @@ def load_model(run_dir: str | Path, module: nn.Module | None = None) -> tuple[nn
             raise ValueError(f"{Path(run_dir) / MODEL_JSON}: the run trained a module object passed to dpdro.fit "
                              f"({spec.raw.get('module_class')}); build that architecture and pass it as module=")
         module = make_model(spec.factory, spec.num_classes, seed=0, dtype=spec.torch_dtype,
-                            input_shape=tuple(spec.input_shape))
+                            input_shape=tuple(spec.input_shape), fix=spec.model_fix)
     else:
-        module = validate_model(module.to(spec.torch_dtype))
+        module = validate_model(fix_model(module, spec.model_fix).to(spec.torch_dtype))
     path = Path(run_dir) / MODEL_PT
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

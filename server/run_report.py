@@ -146,6 +146,8 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
              "metrics.csv, model.json).", "",
              "## Model", "",
              f"- Architecture: `{model['factory'] or model.get('module_class')}` "
+             + ("with every BatchNorm replaced by GroupNorm (model-fix=groupnorm) "
+                if model.get("model_fix", "none") == "groupnorm" else "") +
              f"({model['parameters']} parameters, dtype {model['dtype']}), {model['num_classes']} classes: "
              f"{', '.join(classes)}",
              f"- Input: one record of shape {tuple(model['input_shape'])}; {model['input_scaling']}",

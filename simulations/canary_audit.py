@@ -361,7 +361,7 @@ def audit_config(name: str, *, slots: int = 1000, trials: int = 200_000, max_rel
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         num_classes = 10
-        model = make_model(resolve_model(cfg.model, cfg.dataset), num_classes, cfg.seed)
+        model = make_model(resolve_model(cfg.model, cfg.dataset), num_classes, cfg.seed, fix=cfg.model_fix)
         dim = sum(p.numel() for p in model.parameters())
         delta = resolve_delta(cfg, slots)
         plan, noise, _ = plan_run(cfg, make_algorithm(cfg, slots, dim, num_classes), slots, delta)

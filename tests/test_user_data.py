@@ -420,7 +420,7 @@ def test_import_paths_that_do_not_import_are_refused_by_config(user_code):
 
 @pytest.mark.parametrize(("factory", "message"), [
     ("BatchNormNet", "layer 'net.2' is BatchNorm1d: batch normalisation mixes records, so per-record clipping "
-                     "bounds nothing. Replace it with nn.GroupNorm"),
+                     "bounds nothing. Set config key model-fix=groupnorm"),
     ("CentringNet", "a record's output changes with the other records of its batch"),
     ("NumpyNet", "torch.func cannot compute per-record gradients of model 'user_code:NumpyNet'"),
     ("needs_weights", r"model 'user_code:needs_weights': factory\(num_classes=3, input_shape=\(2,\)\) failed "

@@ -10,6 +10,7 @@ what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from torch import nn
 from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
+from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
 from ..common.tabular_data import training_feature_names
@@ -189,10 +191,11 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
     input_shape = tuple(test.x.shape[1:])
     if module is not None:  # the checks make_model runs on a registered model or an import path
-        module = validate_model(module.to(dtype))
+        module = validate_model(copy.deepcopy(module).to(dtype))  # a copy: init-weights loads into it
         check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
-    model = FlatModel(module if module is not None else
-                      make_model(factory, test.num_classes, cfg.seed, dtype, input_shape))
+    base = module if module is not None else make_model(factory, test.num_classes, cfg.seed, dtype, input_shape)
+    initial = prepare_model(base, cfg.init_weights, cfg.trainable)  # before calibration: dim is the trainable count
+    model = FlatModel(base)
     check_groups(cfg, test.num_groups)
     algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
@@ -295,24 +298,26 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     x, _ = algo.output(state)
     summary = run_summary(cfg, n=n, delta=delta, plan=plan, noise=noise, profiles=profiles, ledger=ledger,
                           releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
-                          transport_name=transport_name, skipped_files=test.skipped_files)
+                          transport_name=transport_name, skipped_files=test.skipped_files,
+                          initial_model=initial.facts())
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
-    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows)
+    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows, initial)
     return RunResult(params=x, summary=summary, metrics=rows)
 
 
 def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str | None, x: np.ndarray,
-                         test: ArrayDataset, setup, summary: dict, rows: list[dict]) -> None:
+                         test: ArrayDataset, setup, summary: dict, rows: list[dict], initial: InitialModel) -> None:
     """model.pt and model.json (server/model_files.py), plots/ and MODEL_CARD.md (server/run_report.py) of a
-    finished run: post-processing of the released iterate ``x`` (d,) and of the reported metrics."""
+    finished run: post-processing of the released iterate ``x`` (d,) of the trainable parameters (the frozen ones,
+    from ``initial``'s preparation, are saved as the module holds them) and of the reported metrics."""
     params = model.unflatten(torch.as_tensor(x).to(model.dtype))
     shift = _prediction_shift(cfg, setup)
     named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
     classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
     meta = {"factory": factory, "module_class": describe_module_class(model.module),
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
-            "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
+            "dtype": cfg.dtype, **initial.facts(), "dataset": cfg.dataset, "data": test.name,
             "input_scaling": input_scaling(test.name, cfg.to_dict()),
             # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
             # and scaling, class order): what scoring new records by hand needs

@@ -242,7 +242,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
                                     "metrics": rows, "wall_seconds": wall(), "noise": noise,
                                     "setup": setup.to_json(), "server_view": releaser.server_ledger.state(),
-                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count()})
+                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count(),
+                                    "init_weights_sha256": initial.sha256})
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
@@ -254,6 +255,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
 
     if resume:  # what the releases so far left behind in the releaser (absent from checkpoints before 21.10)
         saved = rd.load_checkpoint()[1]
+        if saved.get("init_weights_sha256", initial.sha256) != initial.sha256:
+            raise ResumeError(f"config key 'init-weights': {cfg.init_weights} now has sha256 {initial.sha256}; the "
+                              f"checkpoint in {rd.path} started from a file with sha256 "
+                              f"{saved['init_weights_sha256']}: resume with that file")
         seen = saved.get("server_view", [])
         # checkpoints before the server view was a Ledger hold only its (rate, z) counts
         releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})

@@ -20,7 +20,7 @@ from dpdro.common.data import load_from_config
 from dpdro.common.model_init import prepare_model, trainable_names
 from dpdro.common.models import make_model
 from dpdro.common.per_sample import FlatModel
-from dpdro.server.engine import train
+from dpdro.server.engine import ResumeError, train
 from dpdro.server.model_files import load_model
 
 CNN_HEAD = ("head.3.weight", "head.3.bias")  # cnn's last nn.Linear(32, 10): 330 parameters
@@ -194,6 +194,17 @@ def test_a_bad_file_is_refused_before_the_run_directory_is_written(small_config,
     with pytest.raises(ConfigError, match=r"'head.3.weight' has shape \(10, 31\) in the file, expected \(10, 32\)"):
         _run(small_config, out_dir=str(tmp_path / "run"), **{"init-weights": path})
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.data
+def test_resuming_with_another_file_at_the_same_path_is_refused(small_config, tmp_path):
+    path = _saved(tmp_path, make_model("cnn", 10, seed=9).state_dict())
+    keys = {"out_dir": str(tmp_path / "run"), "init-weights": path, "trainable": "head"}
+    _run(small_config, **keys)
+    _saved(tmp_path, make_model("cnn", 10, seed=10).state_dict())  # the same path, other weights
+    cfg = small_config(**{**TINY, **keys})
+    with pytest.raises(ResumeError, match="config key 'init-weights': .* now has sha256 .*resume with that file"):
+        train(cfg, LocalTransport(cfg, load_from_config(cfg, True)), load_from_config(cfg, False), resume=True)
 
 
 @pytest.mark.data

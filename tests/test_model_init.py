@@ -243,3 +243,23 @@ def test_a_flower_run_of_a_frozen_model_from_public_weights_equals_the_single_no
     assert summary["test_accuracy"] == local.summary["test_accuracy"]
     assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
     assert summary["init_weights"] == local.summary["init_weights"]
+
+
+@pytest.mark.data
+def test_dpdro_plan_calibrates_for_the_trainable_dimension(small_config, capsys):
+    """With variance allocation the noise of each mechanism depends on the dimension: `dpdro plan` prints the
+    multipliers of the 330 trainable parameters, which differ from those of the whole model."""
+    from dpdro.cli import main
+    from dpdro.server.algorithms import make_algorithm
+    from dpdro.server.engine import plan_run, resolve_delta
+
+    keys = {**TINY, "algorithm": "dp-double-spider", "q": 3, "diff-batch": 30, "trainable": "head"}
+    assert main(["plan", "--set", *[f"{k}={v}" for k, v in keys.items()]]) == 0
+    out = capsys.readouterr().out
+    cfg = small_config(**keys)
+    n = int(out.split("n = ")[1].split(" ")[0])
+    noise = {dim: plan_run(cfg, make_algorithm(cfg, n, dim, 10, 0), n, resolve_delta(cfg, n))[1]
+             for dim in (330, CNN_PARAMETERS)}
+    assert noise[330] != noise[CNN_PARAMETERS]
+    for name, z in noise[330].items():
+        assert f"{z:.4f}" in out, name

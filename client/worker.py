@@ -18,6 +18,7 @@ from ..common.config import check_device, parse_fault
 from ..common.data import ArrayDataset
 from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
+from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, RowBlocks, clipped_sum_and_count
 from ..common.quantities import QUANTITIES, Problem
@@ -55,6 +56,8 @@ class ShardWorker:
         else:
             base = make_model(resolve_model(cfg.model, cfg.dataset), shard.num_classes, cfg.seed, self.dtype,
                               tuple(shard.x.shape[1:]), cfg.model_fix)
+        # the frozen parameters as the server has them; the trainable ones come with every query's versions
+        prepare_model(base, cfg.init_weights, cfg.trainable, load=False)
         self.model = FlatModel(base.to(self.device), cfg.per_record_engine)
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}

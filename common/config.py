@@ -261,6 +261,14 @@ FIELDS: tuple[Field, ...] = (
     Field("model-fix", "str", "none", "Make the model usable before it is checked: 'groupnorm' replaces every "
           "BatchNorm layer (which mixes the records of a batch, so is refused) with GroupNorm(gcd(32, C), C), as "
           "Opacus' ModuleValidator.fix; 'none' changes nothing.", choices=MODEL_FIXES, role="algorithm"),
+    Field("init-weights", "str", "", "Path of a state_dict (torch.save; a dpdro run's model.pt is one) of weights "
+          "trained on PUBLIC data, loaded into the model before training ('' = the seed's initialisation); every "
+          "tensor must fit. No privacy cost: it must never come from the private records. Its sha256 goes into "
+          "summary.json.", role="algorithm"),
+    Field("trainable", "str", "all", "Parameters that train: 'all', 'head' (the model's last nn.Linear layer) or "
+          "comma-separated module or parameter names (e.g. 'head.,features.6'); the others stay frozen at their "
+          "initial (or init-weights) values. Gradients, clipping, noise and the ledger's dimension cover the "
+          "trainable ones only.", role="algorithm"),
     # DRO problem
     Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
           role="algorithm"),

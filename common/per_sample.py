@@ -1,7 +1,8 @@
 """Per-record losses and gradients on a flat parameter vector; per-record clipping.
 
-A model's parameters are handled as one flat vector x in R^d (the order of ``named_parameters``), which
-keeps the algorithms' updates plain vector arithmetic. Per-record gradients come from a well-kept library,
+A model's trainable parameters are handled as one flat vector x in R^d (the order of ``named_parameters``),
+which keeps the algorithms' updates plain vector arithmetic; frozen ones (``requires_grad`` False: config key
+``trainable``) stay in the module as constants. Per-record gradients come from a well-kept library,
 one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-record-engine``):
 
 - 'torch.func' (default): ``vmap(grad(...))`` over records (no Python loop over records);
@@ -34,8 +35,11 @@ class FlatModel:
     """Functional view of ``module`` with parameters as one flat vector.
 
     Args:
-        module: a validated model (see ``models.validate_model``); its buffers are used as they are.
-        engine: per-record gradient engine, one of ``ENGINES`` (module docstring). ValueError otherwise.
+        module: a validated model (see ``models.validate_model``); its buffers, and its parameters with
+            ``requires_grad`` False (frozen: config key ``trainable``, ``model_init.prepare_model``), are used as
+            they are. The flat vector, the gradients and ``dim`` cover the trainable parameters only.
+        engine: per-record gradient engine, one of ``ENGINES`` (module docstring). ValueError otherwise, and
+            ValueError for a module without a trainable parameter.
     """
 
     def __init__(self, module: nn.Module, engine: str = "torch.func") -> None:
@@ -50,7 +54,9 @@ class FlatModel:
         self.engine = engine
         self._hooked: nn.Module | None = None  # the opacus engine's hooked copy of module (built on first use)
         self.module = module
-        named = list(module.named_parameters())
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameter (every parameter has requires_grad False)")
         self.names = [n for n, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.numels = [p.numel() for _, p in named]
@@ -59,16 +65,17 @@ class FlatModel:
         self.buffers = dict(module.named_buffers())
 
     def initial(self) -> torch.Tensor:
-        """The module's current parameters as a flat (d,) tensor."""
-        return torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])
+        """The module's current trainable parameters as a flat (d,) tensor."""
+        return torch.cat([p.detach().reshape(-1) for p in self.module.parameters() if p.requires_grad])
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of ``flat`` (d,) shaped as the module's parameters."""
+        """Views of ``flat`` (d,) shaped as the module's trainable parameters (name -> view)."""
         parts = torch.split(flat, self.numels)
         return {n: p.view(s) for n, p, s in zip(self.names, parts, self.shapes, strict=False)}
 
     def logits(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Model outputs (B, K) at parameters ``flat`` for inputs ``x`` (B, ...)."""
+        """Model outputs (B, K) at trainable parameters ``flat`` (the frozen ones as the module holds them) for
+        inputs ``x`` (B, ...)."""
         return functional_call(self.module, (self.unflatten(flat), self.buffers), (x,))
 
     def losses(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -104,8 +111,8 @@ class FlatModel:
                                  offset: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The 'opacus' engine: a private copy of the module wrapped in Opacus' ``GradSampleModule`` (loss
         reduction 'sum': the gradient of sum_i loss_i leaves each record's own gradient in ``grad_sample``), its
-        parameters set to ``flat``; one forward and backward over the batch. Returns (losses (B,), one (B, numel)
-        block per parameter)."""
+        trainable parameters set to ``flat`` (the frozen ones, copied with the module, have no grad_sample); one
+        forward and backward over the batch. Returns (losses (B,), one (B, numel) block per trainable parameter)."""
         import copy
         import warnings
 
@@ -115,7 +122,7 @@ class FlatModel:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._hooked = GradSampleModule(copy.deepcopy(self.module), batch_first=True, loss_reduction="sum")
-        params = list(self._hooked.parameters())
+        params = [p for p in self._hooked.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, v in zip(params, self.unflatten(flat).values(), strict=True):
                 p.copy_(v)

@@ -332,6 +332,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # a configuration error answers before torch is imported
     from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
+    from dpdro.common.model_init import prepare_model
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
@@ -344,8 +345,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     transport = LocalTransport(cfg, train_set)
     n = transport.num_records
     check_records(cfg, n)
-    dim = FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
-                                input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)).dim
+    module = make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
+                        input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)
+    prepare_model(module, cfg.init_weights, cfg.trainable)  # the ledger's dimension: the trainable parameters
+    dim = FlatModel(module).dim
     delta = resolve_delta(cfg, n)
     plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes, train_set.num_groups), n,
                               delta)

@@ -10,6 +10,7 @@ what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -24,6 +25,7 @@ from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.model_fix import fix_model
+from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
 from ..common.tabular_data import training_feature_names
@@ -190,10 +192,13 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
     input_shape = tuple(test.x.shape[1:])
     if module is not None:  # the checks make_model runs on a registered model or an import path
-        module = validate_model(fix_model(module, cfg.model_fix).to(dtype))
+        # a copy (init-weights loads into it), BatchNorm replaced as model-fix says
+        module = validate_model(fix_model(copy.deepcopy(module), cfg.model_fix).to(dtype))
         check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
-    model = FlatModel(module if module is not None else
-                      make_model(factory, test.num_classes, cfg.seed, dtype, input_shape, cfg.model_fix))
+    base = module if module is not None else make_model(factory, test.num_classes, cfg.seed, dtype, input_shape,
+                                                        cfg.model_fix)
+    initial = prepare_model(base, cfg.init_weights, cfg.trainable)  # before calibration: dim is the trainable count
+    model = FlatModel(base)
     check_groups(cfg, test.num_groups)
     algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
     if not cfg.private:
@@ -240,7 +245,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
                                     "metrics": rows, "wall_seconds": wall(), "noise": noise,
                                     "setup": setup.to_json(), "server_view": releaser.server_ledger.state(),
-                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count()})
+                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count(),
+                                    "init_weights_sha256": initial.sha256})
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
@@ -252,6 +258,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
 
     if resume:  # what the releases so far left behind in the releaser (absent from checkpoints before 21.10)
         saved = rd.load_checkpoint()[1]
+        if saved.get("init_weights_sha256", initial.sha256) != initial.sha256:
+            raise ResumeError(f"config key 'init-weights': {cfg.init_weights} now has sha256 {initial.sha256}; the "
+                              f"checkpoint in {rd.path} started from a file with sha256 "
+                              f"{saved['init_weights_sha256']}: resume with that file")
         seen = saved.get("server_view", [])
         # checkpoints before the server view was a Ledger hold only its (rate, z) counts
         releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
@@ -296,24 +306,26 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     x, _ = algo.output(state)
     summary = run_summary(cfg, n=n, delta=delta, plan=plan, noise=noise, profiles=profiles, ledger=ledger,
                           releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
-                          transport_name=transport_name, skipped_files=test.skipped_files)
+                          transport_name=transport_name, skipped_files=test.skipped_files,
+                          initial_model=initial.facts())
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
-    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows)
+    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows, initial)
     return RunResult(params=x, summary=summary, metrics=rows)
 
 
 def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str | None, x: np.ndarray,
-                         test: ArrayDataset, setup, summary: dict, rows: list[dict]) -> None:
+                         test: ArrayDataset, setup, summary: dict, rows: list[dict], initial: InitialModel) -> None:
     """model.pt and model.json (server/model_files.py), plots/ and MODEL_CARD.md (server/run_report.py) of a
-    finished run: post-processing of the released iterate ``x`` (d,) and of the reported metrics."""
+    finished run: post-processing of the released iterate ``x`` (d,) of the trainable parameters (the frozen ones,
+    from ``initial``'s preparation, are saved as the module holds them) and of the reported metrics."""
     params = model.unflatten(torch.as_tensor(x).to(model.dtype))
     shift = _prediction_shift(cfg, setup)
     named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
     classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
     meta = {"factory": factory, "module_class": describe_module_class(model.module), "model_fix": cfg.model_fix,
             "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
-            "dtype": cfg.dtype, "parameters": model.dim, "dataset": cfg.dataset, "data": test.name,
+            "dtype": cfg.dtype, **initial.facts(), "dataset": cfg.dataset, "data": test.name,
             "input_scaling": input_scaling(test.name, cfg.to_dict()),
             # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
             # and scaling, class order): what scoring new records by hand needs

@@ -150,9 +150,11 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
                 if model.get("model_fix", "none") == "groupnorm" else "") +
              f"({model['parameters']} parameters, dtype {model['dtype']}), {model['num_classes']} classes: "
              f"{', '.join(classes)}",
+             *_initial_lines(model),
              f"- Input: one record of shape {tuple(model['input_shape'])}; {model['input_scaling']}",
              "- Files: `model.pt` (state_dict), `model.json` (how to build the model and predict), "
-             "`final_params.npy` (the same weights as one flat vector)",
+             "`final_params.npy` (the same " + ("trainable " if _frozen(model) else "") + "weights as one flat "
+             "vector)",
              "- Prediction: argmax of the logits" + (
                  f" minus {model['posthoc_tau']:g} log(class priors) (post-hoc logit adjustment; the priors are in "
                  f"model.json: {PRIOR_SOURCES.get(summary.get('class_prior'), summary.get('class_prior'))})"
@@ -186,6 +188,26 @@ def model_card(summary: dict, model: dict, plots: list[str], run_dir: str) -> st
     lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     lines += ["", "## Use", ""] + use_section(summary["dataset"], model, str(run_dir))
     return "\n".join(lines)
+
+
+def _frozen(model: dict) -> bool:
+    """Whether the run froze some parameters (model.json's trainable_parameters below its parameters)."""
+    return model.get("trainable_parameters", model["parameters"]) < model["parameters"]
+
+
+def _initial_lines(model: dict) -> list[str]:
+    """The card's lines on where training started (the init-weights file and its sha256) and what trained
+    (config key trainable), from model.json; none for a run from the seed's initialisation with every parameter
+    trained."""
+    lines = []
+    loaded = model.get("init_weights")
+    if loaded:
+        lines.append(f"- Initial weights: `{loaded['path']}` (sha256 {loaded['sha256']}), declared trained on "
+                     "public data (no privacy cost; not from the private records)")
+    if _frozen(model):
+        lines.append(f"- Trainable: {model['trainable']} ({model['trainable_parameters']} of {model['parameters']} "
+                     "parameters); the others frozen at their initial values, saved in model.pt")
+    return lines
 
 
 def use_section(dataset: str, model: dict, run_dir: str) -> list[str]:

@@ -18,10 +18,12 @@ from .releaser import Releaser
 
 def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[str, float], profiles: dict | None,
                 ledger: Ledger, releaser: Releaser, final: dict, setup, spider: dict, wall_seconds: float,
-                transport_name: str, skipped_files: int = 0) -> dict:
+                transport_name: str, skipped_files: int = 0, initial_model: dict | None = None) -> dict:
     """summary.json of a finished run: the config's headline keys, the privacy accounting (target, spent, noise,
     against the server), the final evaluation row ``final``, the setup releases' results (``setup``) and
-    ``skipped_files``, the files of the data set's folders not read as records (``ArrayDataset.skipped_files``).
+    ``skipped_files``, the files of the data set's folders not read as records (``ArrayDataset.skipped_files``),
+    and ``initial_model`` (``model_init.InitialModel.facts``: the init-weights file and its sha256, trainable and the
+    parameter counts) when given.
 
     ``private`` is true only when the outputs are differentially private: a finite epsilon and secret seeds. A
     run with noise derived from the saved seed (reproducible-for-testing) has ``private`` false while its epsilon
@@ -52,7 +54,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "dro_clip": cfg.dro_clip, "spider_noise": spider,
         "output_iterate": cfg.output_iterate, "wall_seconds": wall_seconds, "transport": transport_name,
         "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
-        "not_accounted": not_accounted(cfg, setup),
+        **(initial_model or {}), "not_accounted": not_accounted(cfg, setup),
     }
 
 
@@ -82,6 +84,9 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     if cfg.noise_from_saved_seed:
         out.append(f"everything: {SEEDED_NOT_PRIVATE} (reproducible=true, for testing): the noise and samples can "
                    "be recomputed from the seed in summary.json")
+    if cfg.init_weights:
+        out.append(f"initial weights: init-weights {cfg.init_weights} (sha256 in init_weights), declared trained on "
+                   "public data by the user, not on the private records")
     if setup.prior_source == "public":
         out.append("class priors: declared public by the user (class-prior-values), not released from the data")
     if cfg.eval_split == "validation":

@@ -83,6 +83,18 @@ def check_records(cfg: Config, n: int) -> None:
                           "records (check max-train-records), or train without privacy (epsilon=inf)")
 
 
+def check_resumed_records(rd: RunDir, n: int) -> None:
+    """Refuse (ResumeError, before any work) to resume a run whose clients now hold another number of training
+    records than the run was planned for (config.json's ``n``): the sampling rates, delta and the checkpoint's
+    ledger all rest on that n (e.g. a Flower node dropped at start-up this time, or a site's data changed)."""
+    saved = read_json(rd.config).get("n") if rd.config.exists() else None
+    if saved is not None and int(saved) != n:
+        raise ResumeError(f"the run in {rd.path} was planned for n = {saved} training records, but its clients now "
+                          f"hold n = {n}: its sampling rates, delta and ledger rest on n = {saved}, so it cannot be "
+                          "resumed on other data; bring back the same nodes and data, or start again in a new "
+                          "out-dir")
+
+
 def resolve_delta(cfg: Config, n: int) -> float:
     """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
     raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
@@ -184,6 +196,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         torch.set_num_threads(cfg.threads)
     n = transport.num_records
     check_records(cfg, n)
+    if resume:
+        check_resumed_records(RunDir(cfg.out_dir), n)
     for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
         if batch > n:
             raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")

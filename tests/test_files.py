@@ -496,3 +496,21 @@ def test_truncated_shard_cache_is_rebuilt(tmp_path, monkeypatch):
     path.write_bytes(path.read_bytes()[:100])
     again = _load_shard(cfg, 0)
     assert torch.equal(again.x, first.x) and len(again) == len(first) > 0
+
+
+def test_resume_on_another_number_of_records_is_refused_before_any_work(stopped_run):
+    """A resumed run whose clients hold another n (a node dropped at start-up this time, a site's data changed)
+    used to go on with the checkpoint's ledger, whose releases were made at the old sampling rates, read at the
+    new ones. It is now refused before anything is released, naming both n."""
+    from dpdro.server.engine import ResumeError
+
+    rd = RunDir(stopped_run.out_dir)
+    before = rd.events.read_text()
+    fewer = tiny_data()
+    fewer = ArrayDataset(fewer.x[: N - 20], fewer.y[: N - 20], K, "tiny")
+    with pytest.raises(ResumeError, match=f"planned for n = {N} training records, but its clients now hold "
+                                          f"n = {N - 20}"):
+        train(stopped_run, LocalTransport(stopped_run, fewer), tiny_data(), resume=True)
+    assert rd.events.read_text() == before
+    resumed = train(stopped_run, LocalTransport(stopped_run, tiny_data()), tiny_data(), resume=True)
+    assert resumed.metrics[-1]["iteration"] == 4

@@ -137,15 +137,16 @@ def _read(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
 
 def compute_features(x: torch.Tensor, features: str, cache_dir: Path | None, name: str = "records") -> torch.Tensor:
     """The front-end ``features`` (config key) of records ``x`` (N, ...): ``x`` itself for 'none'; for
-    'scatternet' ``scatter(x)`` (N, 81 C, H', W') float32, read from the cache in ``cache_dir`` when there (None:
-    no cache) and else computed and written there. Raises ValueError for an unknown ``features``, FeatureError
-    (kymatio missing, not images)."""
+    'scatternet' ``scatter(x)`` (N, 81 C, H', W') float32 on the CPU, read from the cache in ``cache_dir`` when
+    there (None: no cache) and else computed and written there. Raises ValueError for an unknown ``features``,
+    FeatureError (kymatio missing, not images)."""
     import torch
 
     if features not in FEATURES:
         raise ValueError(f"config key 'features': got {features!r}; allowed: {', '.join(FEATURES)}")
     if features == "none":
         return x
+    x = x.detach().cpu()
     shape = (int(x.shape[0]), *feature_shape(tuple(x.shape[1:])))
     path = cache_path(x, features, cache_dir, name) if cache_dir is not None else None
     if path is not None and path.is_file() and (cached := _read(path, shape)) is not None:

@@ -10,6 +10,7 @@ re-hashing it (a truncation or an edit changes both); any other copy is hashed a
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -17,7 +18,9 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 RECORD_SUFFIX = ".meta.json"
 # IDX type code -> bytes per value (torchvision's read_sn3_pascalvincent_tensor)
@@ -34,18 +37,26 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _atomic_write(dest: Path, data: bytes) -> None:
-    # a name unique to this writer: processes that build the same entry at once never share a temporary file
+@contextlib.contextmanager
+def atomic_writer(dest: Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``dest`` through: written to a temporary file beside it (mode 0600, a name unique to
+    this writer, so processes that build the same entry at once never share one), flushed to disk and renamed onto
+    ``dest`` when the block ends; on an error the temporary file is removed and ``dest`` left as it was."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_write(dest: Path, data: bytes) -> None:
+    with atomic_writer(dest) as f:
+        f.write(data)
 
 
 def decompress_into_cache(source: Path, dest: Path) -> None:

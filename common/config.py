@@ -32,6 +32,11 @@ ROLES = ("data", "runtime", "privacy", "algorithm")
 # (tests/test_model_fix.py checks that both agree).
 MODEL_FIXES = ("none", "groupnorm")
 
+# Config key ``features``: common/scattering.py's FEATURES, repeated for the same reason (a test checks), and the
+# built-in models that take its scattering features (config validation pairs them: ``_check_features``).
+FEATURES = ("none", "scatternet")
+SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
+
 # What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).
 SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
 
@@ -174,7 +179,7 @@ def _dataset_names() -> tuple[str, ...]:
 # and config errors must not import (seconds on a loaded machine): until that module is imported nothing else can
 # have registered a model (a plug-in registers through it), so these are then all the names.
 # tests/test_cli_startup.py checks this tuple against a fresh import of MODELS.
-BUILTIN_MODELS = ("cnn", "cnn32", "resnet20", "cnn64", "mlp", "convnet")
+BUILTIN_MODELS = ("cnn", "cnn32", "resnet20", "cnn64", "mlp", "convnet", *SCATTER_MODELS)
 
 
 def _model_names() -> tuple[str, ...]:
@@ -253,10 +258,16 @@ FIELDS: tuple[Field, ...] = (
           choices=("iid", "dirichlet", "node-local"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
+    Field("features", "str", "none", "Feature front-end, computed once per record on the node that holds it "
+          "(cached in cache-dir): 'none' (the model reads the records) or 'scatternet' (wavelet scattering, "
+          "kymatio Scattering2D(J=2) as Tramer and Boneh 2021: images (C, H, W) become (81 C, H/4, W/4) features; "
+          "needs the 'features' extra and model scatter-linear or scatter-cnn). No privacy cost: a fixed "
+          "function of each record.", choices=FEATURES, role="data"),
     Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'cnn32' (small GroupNorm CNN, 3x32x32, "
           "CIFAR10-ST's CPU default), 'resnet20' (GroupNorm ResNet20, 3x32x32, the paper model for a GPU), 'cnn64' "
           "(GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
-          "CNN, any CxHxW); 'auto' picks the data set's; 'package.module:factory' builds your nn.Module "
+          "CNN, any CxHxW), 'scatter-linear' and 'scatter-cnn' (GroupNorm + linear layer, GroupNorm + small CNN, "
+          "on features=scatternet); 'auto' picks the data set's; 'package.module:factory' builds your nn.Module "
           "(factory(num_classes[, input_shape=...])).", choices=_model_names, role="algorithm", entry_point=True),
     Field("model-fix", "str", "none", "Make the model usable before it is checked: 'groupnorm' replaces every "
           "BatchNorm layer (which mixes the records of a batch, so is refused) with GroupNorm(gcd(32, C), C), as "
@@ -609,6 +620,7 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                 spec.check({k: values[k] for k in spec.keys})
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        self._check_features()
         if is_entry_point(self.model):
             from .models import MODELS  # late: torch
 
@@ -635,6 +647,18 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if ALGORITHM_SPECS[self.algorithm].logit_adjusted and self.tau == 0:
             raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
                               "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
+
+    def _check_features(self) -> None:
+        """features=scatternet needs a model made for its features (scatter-linear, scatter-cnn, or your own by
+        import path), and those models need it."""
+        if self.features == "scatternet" and not (self.model in SCATTER_MODELS or is_entry_point(self.model)):
+            auto = " ('auto' picks the data set's model, which reads images)" if self.model == AUTO else ""
+            raise ConfigError(f"config key 'model': got {self.model!r}{auto}; allowed with features='scatternet': "
+                              f"{', '.join(map(repr, SCATTER_MODELS))} or an import path 'package.module:factory' "
+                              "of a model for (81 C, H/4, W/4) features")
+        if self.features == "none" and self.model in SCATTER_MODELS:
+            raise ConfigError(f"config key 'features': got 'none' with model={self.model!r}; allowed with that "
+                              "model: 'scatternet' (it reads scattering features, not images)")
 
     @property
     def tau(self) -> float:

@@ -38,7 +38,7 @@ import os
 import pickle
 import zipfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ from . import image_folder, tabular_data
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
 from .data_types import DataError, LoadedSplit, stratified_split
 from .registry import AUTO, Registry
+from .scattering import compute_features
 
 if TYPE_CHECKING:  # torch is imported inside the functions that build tensors: the registry (config validation,
     import torch  # `dpdro keys`, `--help`) must not pay for it (tests/test_cli_startup.py)
@@ -505,15 +506,17 @@ def _to_float(images: torch.Tensor) -> torch.Tensor:
 def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cache_dir: str = AUTO,
                  download: bool = False, imbalance_ratio: float = 0.02, max_records: int = 0,
                  split_seed: int = 0, validation_fraction: float = 0.0,
-                 options: Mapping[str, Any] | None = None) -> ArrayDataset:
+                 options: Mapping[str, Any] | None = None, features: str = "none") -> ArrayDataset:
     """Load a split of ``dataset`` (a name in ``DATASETS``) as an ArrayDataset.
 
     ``train``: True / 'train' for the training split, False / 'test' for the test split, 'val' for the
     validation split: the data set's own (CelebA), or for the others the ``validation_fraction`` of the training
     split (after the '-ST' construction) held out by ``validation_split``, which the 'train' split then
     excludes. ``options``: {key: value} of the data set's ``keys`` for a loader ``with_options`` (user data).
+    ``features``: config key features, the front-end applied to the split's records last, cached in the cache
+    directory (``scattering.compute_features``).
     Raises ValueError for an unknown dataset or split and DataError when files are missing or corrupt or the split
-    holds no record (naming the split and the data root).
+    holds no record (naming the split and the data root); FeatureError when the front-end cannot run.
     """
     import torch
 
@@ -548,9 +551,19 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
                         "set allows (a split carved from the training data, by validation-fraction or as the 20% "
                         "test split of user data without a test file, takes a rounded fraction of every class)")
     t = torch.as_tensor(idx)
-    return ArrayDataset(_to_float(images[t]), labels[t].clone(), num_classes, dataset,
+    x = compute_features(_to_float(images[t]), features, cache, dataset)
+    return ArrayDataset(x, labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
                         tuple(class_names), skipped)
+
+
+def with_features(ds: ArrayDataset, features: str, cache_dir: str = AUTO) -> ArrayDataset:
+    """``ds`` with the front-end ``features`` (config key) applied to its records, as ``load_dataset`` applies it
+    to a loaded split: for records given from Python (``dpdro.fit(data=...)``, ``dpdro.evaluate``) and image files
+    scored by ``dpdro predict``. ``ds`` itself for 'none'. Raises FeatureError as ``compute_features``."""
+    if features == "none":
+        return ds
+    return replace(ds, x=compute_features(ds.x, features, resolve_cache_dir(cache_dir), ds.name))
 
 
 def _torchvision_loader(class_name: str) -> Loader:
@@ -646,4 +659,5 @@ def load_from_config(cfg, train: bool | str) -> ArrayDataset:
                         download=cfg.download, imbalance_ratio=cfg.imbalance_ratio,
                         max_records=cfg.max_train_records if split == "train" else cfg.max_test_records,
                         split_seed=cfg.split_seed, validation_fraction=cfg.validation_fraction,
-                        options={k: values[k] for k in DATASETS.get_entry(cfg.dataset).keys})
+                        options={k: values[k] for k in DATASETS.get_entry(cfg.dataset).keys},
+                        features=cfg.features)

@@ -216,6 +216,71 @@ class GroupNormConvNet(nn.Module):
         return self.head(self.features(x))
 
 
+# Groups of the scatter models' input GroupNorm: Tramer and Boneh's published GroupNorm setting (README of
+# github.com/ftramer/Handcrafted-DP: --input_norm=GroupNorm --num_groups=27), 3 channels per group on one colour's 81,
+# 9 on three colours' 243.
+SCATTER_GROUPS = 27
+
+
+def _scatter_shape(name: str, input_shape: tuple[int, ...] | None) -> tuple[int, int, int]:
+    """(C, H, W) of scattering features (config key features=scatternet), or ValueError naming the model."""
+    if input_shape is None or len(input_shape) != 3 or input_shape[0] % SCATTER_GROUPS:
+        raise ValueError(f"model {name!r} reads scattering features (C, H, W) with C a multiple of {SCATTER_GROUPS} "
+                         f"(81 per colour); got input shape {input_shape}: set config key features=scatternet")
+    return tuple(input_shape)  # type: ignore[return-value]
+
+
+@register_model("scatter-linear")
+class ScatterLinear(nn.Module):
+    """Tramer and Boneh's ScatterNet + linear model (ICLR 2021; github.com/ftramer/Handcrafted-DP, ``models.py:
+    ScatterLinear`` with ``input_norm="GroupNorm"``): GroupNorm(27, C, affine=False) on the scattering features, each
+    record normalised by itself (no statistic of other records, no parameter), then one linear layer.
+
+    Input: (B, C, H, W) features of config key features=scatternet, e.g. (243, 8, 8) for 32x32 RGB images;
+    output: (B, num_classes) logits. C H W K + K parameters (155,530 for (243, 8, 8) and 10 classes).
+    Raises ValueError for another input shape.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        c, h, w = _scatter_shape("scatter-linear", input_shape)
+        self.norm = nn.GroupNorm(SCATTER_GROUPS, c, affine=False)
+        self.head = nn.Linear(c * h * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x).flatten(1))
+
+
+@register_model("scatter-cnn")
+class ScatterCNN(nn.Module):
+    """Tramer and Boneh's ScatterNet + CNN (github.com/ftramer/Handcrafted-DP, ``models.py``, the default size) on
+    GroupNorm(27, C, affine=False)-normalised scattering features, tanh activations. On one colour's 81 channels
+    (grey images) their MNIST model: 3x3 convolutions to 16 channels (stride 2) and 32 channels, then linear layers
+    of 32 units and K. On more colours their CIFAR-10 model: 3x3 convolutions to 64 channels, 2x2 max-pooling,
+    a 3x3 convolution to 64 channels, a linear layer.
+
+    Input: (B, C, H, W) features of config key features=scatternet; output: (B, num_classes) logits. 187,210
+    parameters for (243, 8, 8) and 10 classes, 33,066 for (81, 7, 7). Raises ValueError for another input shape.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        c, h, w = _scatter_shape("scatter-cnn", input_shape)
+        self.norm = nn.GroupNorm(SCATTER_GROUPS, c, affine=False)
+        if c == 81:
+            self.features = nn.Sequential(nn.Conv2d(c, 16, 3, stride=2, padding=1), nn.Tanh(),
+                                          nn.Conv2d(16, 32, 3, padding=1), nn.Tanh())
+            side = ((h + 1) // 2) * ((w + 1) // 2)
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * side, 32), nn.Tanh(), nn.Linear(32, num_classes))
+        else:
+            self.features = nn.Sequential(nn.Conv2d(c, 64, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+                                          nn.Conv2d(64, 64, 3, padding=1), nn.Tanh())
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * (h // 2) * (w // 2), num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(self.norm(x)))
+
+
 def resolve_model(name: str, dataset: str) -> str:
     """Config key ``model``: 'auto' picks the data set's default model (``DatasetSpec.default_model``: cnn for
     28x28 grey, cnn32 for CIFAR10-ST, resnet20 for CIFAR-10, cnn64 for CelebA at 64x64); any other name is

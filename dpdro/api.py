@@ -175,7 +175,7 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
     """
     from torch import nn
 
-    from dpdro.common.data import PYTHON_DATA, ArrayDataset, load_from_config
+    from dpdro.common.data import PYTHON_DATA, ArrayDataset, load_from_config, with_features
     from dpdro.launch.local import train_local
     from dpdro.server.model_files import load_model
     from dpdro.server.rundir import check_out_dir
@@ -197,6 +197,7 @@ def fit(config: Config | Mapping[str, Any] | str | os.PathLike | None = None, *,
                              f"of config key dataset ({cfg.dataset!r}), not of your data")
         # what config.json, summary.json and the model card name as the data: not the default of key dataset
         cfg = cfg.with_updates({"dataset": PYTHON_DATA})
+        data = tuple(with_features(d, cfg.features, cfg.cache_dir) for d in data)  # as a loaded data set
     module = None
     if isinstance(model, nn.Module):
         module = model

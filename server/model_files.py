@@ -23,6 +23,7 @@ from torch import nn
 
 from ..common.model_fix import fix_model
 from ..common.models import make_model, validate_model
+from ..common.scattering import feature_description
 from .rundir import RunFileError, atomic_write_bytes, read_json, write_json
 
 MODEL_FORMAT = "dpdro-model/1"
@@ -35,7 +36,14 @@ BUILTIN_INPUT_SCALING = "uint8 pixels p -> p / 255 * 2 - 1 (channels first, floa
 
 def input_scaling(dataset: str, options: dict | None = None) -> str:
     """How records of ``dataset`` (an ArrayDataset name) are turned into model inputs, in words (model.json);
-    ``options``: the run's configuration keys, which say it for the user data sets csv and image-folder."""
+    ``options``: the run's configuration keys, which say it for the user data sets csv and image-folder, and the
+    feature front-end (key features) after the scaling."""
+    front_end = feature_description(str((options or {}).get("features", "none")))
+    scaling = _scaling(dataset, options)
+    return f"{scaling}; {front_end}" if front_end else scaling
+
+
+def _scaling(dataset: str, options: dict | None) -> str:
     if dataset in BUILTIN_DATASETS:
         return BUILTIN_INPUT_SCALING
     o = options or {}

@@ -37,6 +37,7 @@ from torch import nn
 from ..common import image_folder, tabular_data
 from ..common.config import Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
+from ..common.scattering import compute_features
 from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
@@ -124,9 +125,9 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
     """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
     override that is not a data key or a bad value, or 'validation' for a run that held none out; DataError naming
     the file, line or folder when the files are missing or malformed."""
-    if isinstance(data, ArrayDataset):
-        return Records(data.x, data.y.numpy(), None if data.groups is None else data.groups.numpy(),
-                       data.num_groups)
+    if isinstance(data, ArrayDataset):  # records from Python get the run's front-end, as in dpdro.fit(data=...)
+        x = compute_features(data.x, _run_config(run_dir, overrides).features, None)
+        return Records(x, data.y.numpy(), None if data.groups is None else data.groups.numpy(), data.num_groups)
     if not isinstance(data, (str, Path)):
         raise ValueError(f"data must be 'test', 'train', 'validation', a path or dpdro.records(...); got "
                          f"{type(data).__name__}")
@@ -153,7 +154,7 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
         x, y, g, num_groups, lines = tabular_data.read_file_records(path, options, spec.classes, names)
         return Records(torch.from_numpy(x), y, g, num_groups, [f"{path.name}:{line}" for line in lines])
     x, y, sources = image_folder.read_for_prediction(path, options, spec.classes)
-    return Records(x, y, sources=sources)
+    return Records(compute_features(x, cfg.features, None), y, sources=sources)
 
 
 def _own_validation(dataset: str) -> bool:

@@ -230,6 +230,8 @@ def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configur
 
 # A value other than the old behaviour for each key added later without a list of choices.
 OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head"}
+# Keys whose other value needs another key changed with it (features=scatternet needs a scatter model).
+WITH = {"features": {"model": "scatter-linear"}}
 
 
 def test_a_key_added_later_counts_only_away_from_its_old_behaviour():
@@ -238,7 +240,8 @@ def test_a_key_added_later_counts_only_away_from_its_old_behaviour():
         assert base.to_dict()[key] == before  # the default is the old behaviour
         other = next(v for v in FIELD_BY_KEY[key].choices if v != before) if FIELD_BY_KEY[key].choices else \
             OTHER_VALUES.get(key, True)
-        assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates({key: other}))
+        assert sweep.config_fingerprint(base) != sweep.config_fingerprint(base.with_updates({key: other,
+                                                                                             **WITH.get(key, {})}))
 
 
 def test_a_statement_key_never_changes_the_fingerprint():

@@ -112,7 +112,8 @@ def not_accounted(cfg: Config, setup) -> list[str]:
 CHOSEN_ON_PRIVATE_TEXT = {
     "hyper-parameters": "hyper-parameters chosen on a validation split of the private training records (a search "
                         "such as dpdro tune, whose trials docs/TUNING.md lists): not accounted",
-    "model": "model or checkpoint chosen on a validation split of the private training records: not accounted",
+    "model": "the method or model kept, among several trained, for its metrics on a validation split of the private "
+             "training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "
                    "(applying a tau is post-processing; choosing it on private records is not)",
 }

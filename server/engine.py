@@ -413,11 +413,12 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
     # in distributed and local mode the server's own ledger must fit too (its guard would stop the run later)
     checked = [("", ledger)] + ([(" against the server", server_ledger)] if cfg.noise_mode != "central" else [])
     for against, book in checked:
-        if ledger.private and book.epsilon_if_completed() > book.epsilon:
+        completed = book.epsilon_if_completed()
+        if ledger.private and completed > book.epsilon:
             raise ResumeError(
                 f"{len(released)} release(s) of {span} were made after the last checkpoint "
                 f"(iteration {checkpoint_t}) by the run that stopped without one; they are charged, and with them "
-                f"finishing the plan would spend epsilon{against} {book.epsilon_if_completed():.4f} > target "
+                f"finishing the plan would spend epsilon{against} {completed:.4f} > target "
                 f"{cfg.epsilon:g} (spent so far: {book.epsilon_spent():.4f}). Nothing was released. The checkpoint "
                 "cannot be finished within the budget: start again in a new out-dir (a smaller checkpoint-every "
                 "bounds what a crash costs)")

@@ -414,8 +414,8 @@ class Ledger:
         if not self.private:
             self.spent[mechanism] += record
             return
-        m = self.by_name.get(mechanism)
-        if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m] and self._plan_fits():
+        in_plan = self._in_plan(mechanism, rate)
+        if in_plan and self._plan_fits():
             self.spent[mechanism] += record
             return
         z = self.noise.get(mechanism, 0.0)
@@ -424,10 +424,15 @@ class Ledger:
             raise PrivacyBudgetExceeded(
                 f"release '{mechanism}' (rate {rate:.6g}, noise multiplier {z:.6g}) would spend epsilon "
                 f"{eps:.4f} > target {self.epsilon:g} at delta {self.delta:.3g}; refused")
-        if m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]:
+        if in_plan:
             self.spent[mechanism] += record
         else:
             self.extra[(rate, z)] += record
+
+    def _in_plan(self, mechanism: str, rate: float) -> bool:
+        """Whether the plan has room for one more release of ``mechanism`` at ``rate``."""
+        m = self.by_name.get(mechanism)
+        return m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]
 
     def _plan_fits(self) -> bool:
         """True when the releases so far plus the rest of the plan stay within the target, so that a planned
@@ -470,9 +475,7 @@ class Ledger:
         ``mechanism`` when the plan has room for one more at ``rate`` and ``noise_multiplier`` is at least the
         planned one (more noise only lowers epsilon, so the planned event bounds it), else as a release beyond the
         plan at its own multiplier."""
-        m = self.by_name.get(mechanism)
-        if (m is not None and m.rate == rate and self.spent[mechanism] < self.plan[m]
-                and noise_multiplier >= self.noise[mechanism]):
+        if self._in_plan(mechanism, rate) and noise_multiplier >= self.noise[mechanism]:
             self.spent[mechanism] += 1
         else:
             self.extra[(rate, noise_multiplier)] += 1
@@ -481,7 +484,7 @@ class Ledger:
         """Raise PrivacyBudgetExceeded (naming ``what``, e.g. "against the server") if the releases recorded
         so far spend more than the target; cheap while they stay within the plan (``_plan_fits``), else one
         accountant evaluation. A finite target only; nothing is recorded."""
-        if not self.private or (all(self.spent[m.name] <= n for m, n in self.plan.items()) and self._plan_fits()):
+        if not self.private or self._plan_fits():  # spent never passes the plan (_admit, record_seen)
             return
         eps = self.epsilon_spent()
         if eps > self.epsilon:

@@ -58,8 +58,16 @@ def no_work(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("data were loaded before the out-dir was checked")
 
-    monkeypatch.setattr(data, "load_from_config", refuse)
-    monkeypatch.setattr(data, "data_missing", refuse)
+    # also where modules bound the names at import: a module first imported under the patch would otherwise keep
+    # the stub after the test (launch.local did, failing later tests that train through the CLI)
+    import dpdro.launch.local as local
+    import dpdro.server.prediction as prediction
+    import dpdro.simulations.sweep as sweep
+
+    for module in (data, local, prediction, sweep):
+        for name in ("load_from_config", "data_missing"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
 
 
 def cli(*args):

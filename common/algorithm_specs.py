@@ -96,7 +96,7 @@ class Choice:
 
 SearchDimension = FloatRange | IntRange | Choice
 
-# Every method gets the same levers (issue 22 item 4): its step size, the refresh batch, post-hoc logit
+# Every method gets the same levers: its step size, the refresh batch, post-hoc logit
 # adjustment at prediction, logit adjustment in training (dp-sgd keeps 0: with tau > 0 it is dp-sgd-la) and the
 # stabiliser, plus the keys of its own problem (q, lambda, ...).
 _BATCH = Choice((1024, 2048))
@@ -109,7 +109,7 @@ _LR = FloatRange(1.0, 12.0, log=True)
 _LR_SPIDER = FloatRange(0.5, 8.0, log=True)
 _Q = Choice((1, 3, 5))
 _LAMBDA = FloatRange(0.25, 4.0, log=True)
-_LR_ETA = FloatRange(0.02, 0.5, log=True)  # fixed at 0.1 before issue 22: the dual step is a lever too
+_LR_ETA = FloatRange(0.02, 0.5, log=True)  # once fixed at 0.1: the dual step is a lever too
 # The paper methods' group uncertainty set (ALGORITHMS.md 3.3 and 4.3): its centre, how weights meet the clip and the
 # weight cap: capped weight-after-clip diverged without a cap at the record level; the group level's product form
 # lets minority weights grow (as dp-sgda's p / pi do), so a large cap is in the space too.

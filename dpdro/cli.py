@@ -809,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
     s.add_argument("--root", default="runs/equivalence")
     s.add_argument("--docs", default="docs")
-    s = sub.add_parser("bench", help="measure performance ratios (issue 9); writes docs/PERFORMANCE.md")
+    s = sub.add_parser("bench", help="measure performance ratios; writes docs/PERFORMANCE.md")
     s.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sweep (a few minutes)")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch device of the timed steps")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")

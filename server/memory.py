@@ -2,7 +2,7 @@
 
 The resident set size alone is a poor leak detector: glibc keeps freed memory cached in one arena per thread
 that allocated (gRPC and torch threads), and how much it keeps varies from run to run (the Flower server's RSS
-moved in ~19 MiB steps without any leak, issue 21 item 11). So the RSS is measured after a garbage collection
+moved in ~19 MiB steps without any leak). So the RSS is measured after a garbage collection
 and ``malloc_trim``, and the C heap in use (``mallinfo2``), which does not move with that caching, is
 reported next to it; tests/test_reliability.py bounds the growth of both.
 """

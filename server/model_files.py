@@ -1,4 +1,4 @@
-"""The trained model of a run as files anyone can load (issue 24 item 5): ``model.pt`` (the ``state_dict``) and
+"""The trained model of a run as files anyone can load: ``model.pt`` (the ``state_dict``) and
 ``model.json`` (how to build the module it fits and how to predict with it), and the loader and prediction
 helpers that ``dpdro predict`` / ``dpdro evaluate`` and users share.
 

@@ -1,4 +1,4 @@
-"""The pictures and the model card of a finished run (issue 24 items 5 and 6): ``plots/training_curves.png``
+"""The pictures and the model card of a finished run: ``plots/training_curves.png``
 (test and worst-class accuracy, epsilon spent, against iterations), ``plots/per_class_accuracy.png`` and
 ``MODEL_CARD.md``; plus the confusion-matrix picture of ``dpdro evaluate``.
 

@@ -1,4 +1,4 @@
-"""``dpdro bench``: the performance figures of issue 9, measured as ratios inside one process, and the
+"""``dpdro bench``: the performance figures, measured as ratios inside one process, and the
 generated docs/PERFORMANCE.md.
 
 Figures (all on the same model and batch; compared variants are interleaved repetition by repetition,

@@ -1,4 +1,4 @@
-"""White-box canary audit of every release mechanism (issue 25): an empirical epsilon lower bound per release.
+"""White-box canary audit of every release mechanism: an empirical epsilon lower bound per release.
 
     dpdro audit --mode canary [--algorithms ...] [--trials 100000] [--max-releases 20000] [--noise-modes ...]
 

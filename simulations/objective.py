@@ -72,7 +72,7 @@ def evaluation_terms(row: Mapping, accuracy_key: str = "test_accuracy") -> tuple
 def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.0) -> int | None:
     """Index of the evaluation with the highest ``validation_objective`` among those whose accuracy is at least
     ``min_accuracy`` (the first of equal scores), or None when none is. The rule ``dpdro evaluate --posthoc-tau
-    T1 T2 ...`` applies to choose a post-hoc tau on the validation split (issue 22: a goal with an accuracy floor).
+    T1 T2 ...`` applies to choose a post-hoc tau on the validation split (a goal with an accuracy floor).
 
     evaluations: ``server.prediction.metrics`` dicts (keys accuracy, per_class_accuracy, optionally
     per_group_accuracy: the groups count instead of the classes, as in tuning). min_accuracy in [0, 1], else

@@ -20,7 +20,7 @@ from .tuned import RECHOSEN_MARK, leading_comments, searched_methods, transferre
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
 DRO_METHODS = tuple(n for n, s in ALGORITHM_SPECS.items() if s.dro)
 GOAL = {"dataset": "mnist-st", "epsilon": 4.0, "worst": 0.60, "accuracy": 0.85}
-# The paper's two methods (either DRO level) against every other method, and issue 22's goal for them: on MNIST-ST at
+# The paper's two methods (either DRO level) against every other method, and the goal set for them: on MNIST-ST at
 # epsilon 4 the best of them reaches worst-class >= 0.85 with accuracy >= 0.88, and in any case DP-SGDA's worst class.
 PAPER_METHODS = ("dp-double-spider", "recursive-spider")
 PAPER_GOAL = {"dataset": "mnist-st", "epsilon": 4.0, "worst": 0.85, "accuracy": 0.88, "reference": "dp-sgda"}

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import check_device, parse_fault
+from ..common.config import check_device
 from ..common.data import ArrayDataset
+from ..common.faults import active_fault
 from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
 from ..common.model_init import prepare_model
@@ -61,7 +62,6 @@ class ShardWorker:
         self.model = FlatModel(base.to(self.device), cfg.per_record_engine)
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
-        self.fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
 
     @property
     def num_records(self) -> int:
@@ -80,14 +80,16 @@ class ShardWorker:
         return np.flatnonzero(rng.random(self.num_records) < query.rate)
 
     def _inject(self, query: Query) -> str | None:
-        """Testing hook (config key inject-fault): raise, hang, or return 'nan' for a malformed reply."""
-        if self.fault is None:
+        """Test hook ($DPDRO_INJECT_FAULT, common/faults.py; read per query, so that a cached worker follows a
+        request's fault): raise, hang, or return 'nan' for a malformed reply."""
+        fault = active_fault()
+        if fault is None:
             return None
-        pid, it, kind = self.fault
+        pid, it, kind = fault
         if pid != self.partition or it != query.iteration:
             return None
         if kind == "raise" or (kind == "raise-once" and query.attempt == 0):
-            raise RuntimeError(f"injected failure of partition {pid} at iteration {it} (inject-fault)")
+            raise RuntimeError(f"injected failure of partition {pid} at iteration {it} (injected fault)")
         if kind == "hang" and query.attempt == 0:
             time.sleep(3600)
         return kind if kind == "nan" else None

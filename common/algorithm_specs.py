@@ -1,5 +1,5 @@
-"""What every layer may know about an algorithm without importing it: its name, the config keys it reads,
-the per-record quantities it asks clients for, its metadata and its tuning space (``AlgorithmSpec``).
+"""What every layer may know about an algorithm without importing it: its name, the config keys it reads and
+declares, the per-record quantities it asks clients for, its metadata and its tuning space (``AlgorithmSpec``).
 
 The state machines themselves live in ``server/algorithms/`` and register with
 ``server.algorithms.register_algorithm(name)``, which refuses a name not declared here (a plug-in passes its
@@ -10,10 +10,12 @@ derived from ``ALGORITHM_SPECS``; tests/test_registries.py checks that the two r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_schema import Field, param
 from .registry import Registry
 
 
@@ -22,6 +24,11 @@ class AlgorithmSpec:
     """Declaration of one algorithm.
 
     keys: config keys the algorithm reads besides those every run reads (iterations, epsilon, ...).
+    params: the declarations (``config_schema.param``) of the keys only some algorithms read; each is in ``keys``.
+        A key several algorithms read is declared by each of them with the same ``Field``; the config's keys are
+        its own (common/config.py) plus every declared algorithm's params.
+    check: called with the algorithm's params {key: parsed value} when a config chooses the algorithm; raises
+        ValueError (its message names the keys) for a combination that cannot work.
     quantities: names in ``common.quantities.QUANTITIES`` its queries use.
     uses_eta: it has the dual variable eta (so eta-init-source='private-mean-loss' applies).
     dro: a DP-DRO method (the results tables compare it with the simple baselines, the non-DRO methods).
@@ -39,14 +46,37 @@ class AlgorithmSpec:
     logit_adjusted: bool = False
     space: Mapping[str, SearchDimension] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    params: tuple[Field, ...] = ()
+    check: Callable[[Mapping[str, Any]], None] | None = None
+
+    def __post_init__(self) -> None:
+        undeclared = [f.key for f in self.params if f.key not in self.keys]
+        if undeclared:
+            raise ValueError(f"algorithm {self.name!r}: params {', '.join(map(repr, undeclared))} are not in its keys")
 
 
 ALGORITHM_SPECS: Registry[AlgorithmSpec] = Registry("algorithm")
 
 
 def declare_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
-    """Add ``spec`` to ``ALGORITHM_SPECS`` (ValueError if the name is taken); returns it."""
+    """Add ``spec`` to ``ALGORITHM_SPECS``; returns it. ValueError if the name is taken or one of its params is
+    declared otherwise by another algorithm."""
+    declared = algorithm_params()
+    for f in spec.params:
+        if f.key in declared and declared[f.key] != f:
+            raise ValueError(f"algorithm {spec.name!r}: config key {f.key!r} is already declared otherwise by another "
+                             "algorithm; reuse its declaration")
     return ALGORITHM_SPECS.register(spec.name, spec)
+
+
+def algorithm_params() -> dict[str, Field]:
+    """Every key an algorithm declares (key -> Field), in declaration order; read when needed, so that a plug-in
+    declared later is included."""
+    out: dict[str, Field] = {}
+    for spec in ALGORITHM_SPECS.values():
+        for f in spec.params:
+            out.setdefault(f.key, f)
+    return out
 
 
 # ---- the tuning spaces (simulations/tune.py: each becomes an Optuna distribution) ----
@@ -138,6 +168,146 @@ def _levers(lr_x: FloatRange, tau: FloatRange | None = _TAU) -> dict[str, Search
 _SPIDER = {"clip-diff-max": 0.15, "eta-init-source": "private-mean-loss"}
 _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-source", "eta-init-noise-multiplier")
 
+# ---- the keys of the built-in algorithms (their own; the keys every run reads are in common/config.py) ----
+# SPIDER phases (dp-double-spider, recursive-spider, dp-spiderboost)
+_SPIDER_PARAMS = (
+    param("q", "int", 5, "SPIDER phase length: a refresh every q iterations, differences in between.",
+          low=1, high=10_000_000, role="algorithm"),
+    param("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1, high=10**9,
+          role="algorithm"),
+    param("clip-diff", "float", 4.0, "C_diff: difference clip C_t = min(C_diff * Delta_t, C_max), Delta_t the "
+          "distance between the two parameter points.", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("clip-diff-max", "float", 0.15, "C_max, the largest difference clipping norm (0.15 with q = 5 and "
+          "diff-batch = refresh-batch / 2 keeps a phase's difference noise near its refresh noise: "
+          "server/diagnostics.py).",
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
+)
+# The dual variable eta of the psi-divergence dual (dp-double-spider, dp-sgd-dual, dp-spiderboost)
+_DUAL_PARAMS = (
+    param("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6, role="algorithm"),
+    param("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
+          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("eta-init", "float", 0.0, "Initial dual variable when eta-init-source='config' (public).",
+          low=-1e6, high=1e6, role="algorithm"),
+    param("eta-init-source", "str", "config", "'config': eta starts at eta-init; 'private-mean-loss': at the mean "
+          "loss min(l, B) of all records at the initial model divided by eta-scale, released once with Gaussian "
+          "noise (multiplier eta-init-noise-multiplier, sensitivity B) and charged to the ledger (chi2's optimal "
+          "eta when every DRO weight is positive).", choices=("config", "private-mean-loss"), role="algorithm"),
+    param("eta-init-noise-multiplier", "float", 10.0, "Noise multiplier of the private eta initialisation "
+          "(std = multiplier * loss-bound on the loss sum over all n records).", low=0.0, low_open=True, high=1e6,
+          role="privacy"),
+)
+# The public loss bound and the groups (dp-double-spider, recursive-spider, dp-sgda)
+_BOUNDED_LOSS_PARAMS = (
+    param("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
+          "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (ALGORITHMS.md 2.4).",
+          low=0.0, low_open=True, high=1e4, role="algorithm"),
+    param("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes) or "
+          "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
+          "set without one is refused). With dro-level=group, 'attribute' releases a histogram of the groups before "
+          "training (prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases.",
+          choices=("class", "attribute"), role="algorithm"),
+)
+# The paper methods' group level and DRO weights (dp-double-spider, recursive-spider)
+_GROUP_DRO_PARAMS = (
+    param("dro-level", "str", "record", "Uncertainty set of dp-double-spider and recursive-spider: 'record' (the "
+          "paper's: a psi-divergence ball over records) or 'group' (over the K classes: q near the class priors pi, "
+          "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
+          "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
+          choices=("record", "group"), role="algorithm"),
+    param("block-order", "str", "sequential", "Order of the dual (eta, or the group weights) and model blocks of "
+          "dp-double-spider and group-level recursive-spider: 'sequential' (the paper's Algorithm 2: the x block is "
+          "evaluated at the eta or weights released in the same iteration, two message rounds per iteration) or "
+          "'simultaneous' (both blocks at the same point (x_t, eta_t), the x block with the weights of the previous "
+          "iteration's release: one round per iteration, the same releases and sensitivities; ALGORITHMS.md 3.4). "
+          "Record-level recursive-spider is simultaneous by construction (Algorithm 3) and ignores the key.",
+          choices=("sequential", "simultaneous"), role="algorithm"),
+    param("dro-reference", "str", "prior", "Reference distribution r of dro-level=group's psi-divergence "
+          "D_psi(q || r): 'prior' (the group priors pi: the paper's centre, the empirical distribution, so q = pi is "
+          "ERM) or 'uniform' (1/K: the balanced centre, as dp-sgda's KL(p || uniform); q = r weighs every group "
+          "equally). A public choice: the record weights are w_k = r_k v_k / pi_k with v_k = q_k / r_k "
+          "(ALGORITHMS.md 3.3, 4.3).", choices=("prior", "uniform"), role="algorithm"),
+    param("dro-clip", "str", "product", "How DRO weights meet clipping (dp-double-spider): 'product' clips "
+          "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
+          "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
+          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
+    param("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
+          "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
+          "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
+          "eta clip is G max(1, min(W, W_cap) - 1) (ALGORITHMS.md 3.1). inf: no cap.", low=1.0, low_open=True,
+          high=1e6, allow_inf=True, role="algorithm"),
+    param("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w) (at "
+          "dro-level=group: of its group-loss estimate; dp-double-spider at dro-level=group: the weight of the newest "
+          "SPIDER estimate in the bias-corrected exponential average of the group losses; 0: their running mean).",
+          low=0.0, high=1.0, role="algorithm"),
+)
+# Dp-double-spider only
+_DOUBLE_SPIDER_PARAMS = (
+    param("clip-eta", "float", 1.0, "Clipping norm C_eta of per-record eta-gradients (refresh).",
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
+          "(calibration scales both to meet the target; noise-allocation='ratios').", low=0.0, low_open=True,
+          high=1e3, role="privacy"),
+    param("eta-clip-rule", "str", "fixed", "Clip of dp-double-spider's eta-refresh: 'fixed' clips G (1 - w) at "
+          "clip-eta (biased where weights exceed 1 + clip-eta / G: fatal for kl); 'weight-bound' computes w from "
+          "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
+          "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
+          choices=("fixed", "weight-bound"), role="algorithm"),
+    param("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
+          "(public coin) as in the theory.", choices=("last", "random"), role="algorithm"),
+)
+# Recursive-spider only
+_RECURSIVE_SPIDER_PARAMS = (
+    param("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
+          low=0.0, high=1e3, role="algorithm"),
+    param("lambda-init", "float", 1.0, "Initial lambda of recursive-spider (public).", low=0.0, low_open=True,
+          high=1e6, role="algorithm"),
+    param("lambda0", "float", 0.1, "Lower bound lambda0 > 0 of recursive-spider's lambda.", low=0.0,
+          low_open=True, high=1e6, role="algorithm"),
+    param("lambda-max", "float", 10.0, "Upper bound of recursive-spider's lambda.", low=0.0, low_open=True,
+          high=1e6, role="algorithm"),
+    param("u-scale", "float", 1.0, "c_u: the d_lambda block is multiplied by c_u before the joint clip of "
+          "recursive-spider's v/u release (and divided after), so it is not swamped by the d-dim block.",
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("s-batch", "int", 1024, "Expected Poisson batch size of recursive-spider's s release.", low=1,
+          high=10**9, role="algorithm"),
+    param("clip-s", "float", 1.0, "Clipping norm of the per-record STORM term g~(w_t) - (1-beta) g~(w_{t-1}) "
+          "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("s-noise-ratio", "float", 2.0, "Noise multiplier of the s releases relative to the v/u releases.",
+          low=0.0, low_open=True, high=1e3, role="privacy"),
+    param("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
+          high=1.0, role="algorithm"),
+    param("s-clip-units", "str", "absolute", "recursive-spider's s release: 'absolute' (clip-s bounds the STORM term "
+          "g~(w_t) - (1-beta) g~(w_{t-1}), noise std z clip-s / N) or 'relative' (the term is divided by the released "
+          "s_{t-1} before the clip and the mean multiplied back, so clip-s bounds a relative change and the noise is a "
+          "fixed fraction of s; ALGORITHMS.md 2.5).", choices=("absolute", "relative"), role="algorithm"),
+    param("rs-clip-units", "str", "absolute", "recursive-spider's v/u clip bounds: 'absolute' (clip-x, clip-diff "
+          "on [grad_x g~ ; c_u d_lambda g~]) or 'relative' (the vector is scaled by lambda_t / s_{t-1} first, so the "
+          "bounds are in the units of the update z = lambda v / s; ALGORITHMS.md 5.4).",
+          choices=("absolute", "relative"), role="algorithm"),
+    param("loss-clamp", "str", "hard", "How recursive-spider's KL terms bound the loss at loss-bound B: 'hard' "
+          "min(l, B) (records with l > B get zero gradient) or 'soft' B - softplus(B - l) (smooth, strictly "
+          "increasing, < B: every record keeps a gradient; g~ stays in (0, 1], so sensitivities are unchanged; "
+          "ALGORITHMS.md 2.4).", choices=("hard", "soft"), role="algorithm"),
+    param("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
+          high=1e6, role="algorithm"),
+)
+# Dp-sgda only
+_SGDA_PARAMS = (
+    param("clip-stats", "float", 4.2, "Clipping norm of dp-sgda's per-record class statistics "
+          "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    param("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6,
+          role="algorithm"),
+)
+
+
+def _check_lambda_range(values: Mapping[str, Any]) -> None:
+    if not values["lambda0"] <= values["lambda-init"] <= values["lambda-max"]:
+        raise ValueError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {values['lambda0']}, "
+                         f"{values['lambda-init']}, {values['lambda-max']}; allowed: lambda0 <= lambda-init <= "
+                         "lambda-max")
+
+
 # ---- the built-in algorithms (docs/ALGORITHMS.md) ----
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
@@ -154,7 +324,8 @@ declare_algorithm(AlgorithmSpec(
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "psi": Choice(("chi2", "kl")),
            "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "dro-reference": _DRO_REFERENCE, "beta": _BETA,
            "noise-allocation": _ALLOCATION},
-    fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"}))
+    fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"},
+    params=(*_SPIDER_PARAMS, *_DUAL_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DOUBLE_SPIDER_PARAMS)))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
@@ -172,7 +343,9 @@ declare_algorithm(AlgorithmSpec(
     # s released in units of s_{t-1} (ALGORITHMS.md 2.5; measured: 0.39 -> 0.83 accuracy at lr 6), with a floor
     # below the starting s (about 4.5e-4 on MNIST-ST)
     fixed={"clip-diff-max": 0.15, "lr-lambda": 0.05, "rs-clip-units": "relative",
-           "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"}))
+           "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"},
+    params=(*_SPIDER_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_RECURSIVE_SPIDER_PARAMS),
+    check=_check_lambda_range))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd", keys=("refresh-batch", "clip-x", "lr-x"), quantities=("ce-grad",),
     space=_levers(_LR, tau=None)))
@@ -184,16 +357,21 @@ declare_algorithm(AlgorithmSpec(
     "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda", "dro-groups"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
     space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True),
-           "noise-allocation": _ALLOCATION}))
+           "noise-allocation": _ALLOCATION},
+    params=(*_BOUNDED_LOSS_PARAMS, *_SGDA_PARAMS)))
 
+# dp-sgd-dual and dp-spiderboost read loss-bound too: the private eta initialisation's sensitivity (server/setup.py)
 declare_algorithm(AlgorithmSpec(
-    "dp-sgd-dual", keys=("refresh-batch", "clip-x", "lr-x", "lr-eta", *_DUAL), quantities=("dual-joint",),
+    "dp-sgd-dual", keys=("refresh-batch", "clip-x", "lr-x", "lr-eta", "loss-bound", *_DUAL),
+    quantities=("dual-joint",), params=_DUAL_PARAMS,
     uses_eta=True, dro=True,
     space={**_levers(_LR), "lambda": _LAMBDA, "lr-eta": _LR_ETA},
     fixed={"eta-init-source": "private-mean-loss"}))
 declare_algorithm(AlgorithmSpec(
     "dp-spiderboost",
-    keys=("q", "refresh-batch", "diff-batch", "clip-x", "clip-diff", "clip-diff-max", "lr-x", "lr-eta", *_DUAL),
+    keys=("q", "refresh-batch", "diff-batch", "clip-x", "clip-diff", "clip-diff-max", "lr-x", "lr-eta", "loss-bound",
+          *_DUAL),
+    params=(*_SPIDER_PARAMS, *_DUAL_PARAMS),
     quantities=("dual-joint",), uses_eta=True, dro=True,
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "lr-eta": _LR_ETA},
     fixed=_SPIDER))

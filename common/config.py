@@ -1,31 +1,38 @@
 """One configuration schema for every entry point (CLI, Flower run config, checkpoints).
 
-Keys are kebab-case and identical everywhere (ARCHITECTURE.md section 7). Each key is declared once in
-``FIELDS`` with its type, default, allowed values or range and help text; ``Config.from_mapping``
-validates a whole mapping before any work starts and raises ``ConfigError`` naming the key, the value
-and what is allowed.
+Keys are kebab-case and identical everywhere (ARCHITECTURE.md section 7): TOML files, ``--set``, Flower's run config,
+config.json. Each key is declared once, as a ``Field`` with its type, default, allowed values or range, help text and
+section: the keys every run reads in ``CORE_FIELDS`` here, the keys only some algorithms read in their
+``AlgorithmSpec.params`` (common/algorithm_specs.py, or a plug-in's own file). ``FIELDS`` is all of them.
+
+``Config.from_mapping`` validates a whole mapping before any work starts and raises one ``ConfigError`` naming every
+invalid key, its value and what is allowed; a key set to a non-default value that the chosen algorithm does not read
+is an ``IgnoredKeyWarning``. Inside, a Config has typed sections (``cfg.data``, ``cfg.training``, ``cfg.privacy``,
+``cfg.runtime`` and the chosen algorithm's ``cfg.params``; frozen dataclasses with snake_case attributes) and keeps
+flat attributes (``cfg.lr_x``) for code that reads keys of several sections.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
-import keyword
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
-from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
+from .algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec, algorithm_names, algorithm_params, eta_algorithms
+from .config_schema import ROLES, SECTIONS, ConfigError, Field, section_class
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
-# What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
-# 'runtime' how a run executes, not what it computes (a resumed run may change it); 'privacy' the target, the
-# accountant and where noise goes; 'algorithm' everything else that changes what a run computes.
-ROLES = ("data", "runtime", "privacy", "algorithm")
+__all__ = ["AUTO", "CORE_FIELDS", "ROLES", "SECTIONS", "Config", "ConfigError", "Field", "IgnoredKeyWarning",
+           "check_device", "fields", "keys_with_role", "load_toml_keys", "parse_set_args", "toml_lines", "toml_value"]
+
+
+class IgnoredKeyWarning(UserWarning):
+    """A key set to a non-default value is not read by the chosen algorithm (e.g. q=3 with dp-sgd)."""
 
 
 # Config key ``model-fix``: common/model_fix.py's MODEL_FIXES, repeated so that validating a key imports no torch
@@ -39,134 +46,6 @@ SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 
 # What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).
 SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range.
-
-    The message names the key, the value given and what is allowed.
-    """
-
-
-@dataclass(frozen=True)
-class Field:
-    """Declaration of one configuration key.
-
-    kind: "int", "float", "bool" or "str". ``choices`` restricts a str: a tuple, or a function returning one
-    (the names of a plug-in registry, read when a value is checked, so that a plug-in registered later is
-    allowed); with ``entry_point`` also an import path 'package.module:attribute' (user code, checked by
-    ``Config`` validation). ``low``/``high`` bound a number (``low_open``/``high_open`` make the bound strict).
-    ``auto`` allows the string "auto" (meaning: derived, see help). ``allow_inf`` allows +inf for a float.
-    ``role`` (one of ``ROLES``) says what the key changes; the key lists of the engine and the client derive from it.
-    """
-
-    key: str
-    kind: str
-    default: Any
-    help: str
-    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    auto: bool = False
-    allow_inf: bool = False
-    role: str = ""
-    entry_point: bool = False
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"config field '{self.key}': role {self.role!r}; allowed: one of {', '.join(ROLES)}")
-
-    @property
-    def options(self) -> tuple[str, ...] | None:
-        """The allowed strings (``choices`` resolved), or None for any string."""
-        return self.choices() if callable(self.choices) else self.choices
-
-    @property
-    def attr(self) -> str:
-        """Python attribute name: '-' becomes '_', and a keyword gets a trailing '_' ('lambda_')."""
-        name = self.key.replace("-", "_")
-        return name + "_" if keyword.iskeyword(name) else name
-
-    def allowed(self) -> str:
-        if self.kind == "bool":
-            return "true or false"
-        if self.choices is not None:
-            more = " or an import path 'package.module:name'" if self.entry_point else ""
-            return "one of " + ", ".join(repr(c) for c in self.options) + more
-        if self.kind == "str":
-            return "a string" + (" or 'auto'" if self.auto else "")
-        lo = "-inf" if self.low is None else f"{self.low:g}"
-        hi = "inf" if self.high is None else f"{self.high:g}"
-        lb = "(" if self.low_open or self.low is None else "["
-        rb = ")" if (self.high_open or self.high is None) and not self.allow_inf else "]"
-        text = f"{'an integer' if self.kind == 'int' else 'a number'} in {lb}{lo}, {hi}{rb}"
-        if self.allow_inf and self.high is not None:
-            text += " or inf"
-        if self.auto:
-            text += " or 'auto'"
-        return text
-
-    def parse(self, value: Any) -> Any:
-        """Convert and check ``value``; raise ConfigError naming this key otherwise."""
-
-        def fail() -> ConfigError:
-            near = (difflib.get_close_matches(value, self.options, n=1, cutoff=0.6)
-                    if isinstance(value, str) and self.choices is not None else [])
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            return ConfigError(f"config key '{self.key}': got {value!r}{hint}; allowed: {self.allowed()}")
-
-        if self.auto and isinstance(value, str) and value.strip().lower() == AUTO:
-            return AUTO
-        if self.kind == "bool":
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-                return value.strip().lower() in ("true", "1")
-            if isinstance(value, int) and value in (0, 1):
-                return bool(value)
-            raise fail()
-        if self.kind == "str":
-            if not isinstance(value, str):
-                raise fail()
-            if self.choices is not None and value not in self.options and not (
-                    self.entry_point and is_entry_point(value)):
-                raise fail()
-            return value
-        if isinstance(value, bool):
-            raise fail()
-        if self.kind == "int":
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, str):
-                try:
-                    value = int(value.strip())
-                except ValueError:
-                    raise fail() from None
-            if not isinstance(value, int) or abs(value) > 2**63:
-                raise fail()
-            out: float = value
-        else:
-            if isinstance(value, str):
-                try:
-                    value = float(value.strip())
-                except ValueError:
-                    raise fail() from None
-            if not isinstance(value, (int, float)):
-                raise fail()
-            try:
-                out = float(value)
-            except OverflowError:  # an int beyond float range
-                raise fail() from None
-            if math.isnan(out) or (math.isinf(out) and not (self.allow_inf and out > 0)):
-                raise fail()
-        if self.low is not None and (out < self.low or (self.low_open and out == self.low)):
-            raise fail()
-        if self.high is not None and not math.isinf(out):
-            if out > self.high or (self.high_open and out == self.high):
-                raise fail()
-        return out
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -187,9 +66,10 @@ def _model_names() -> tuple[str, ...]:
     return ("auto", *(registry.names() if registry is not None else BUILTIN_MODELS))
 
 
-def __getattr__(name: str) -> tuple[str, ...]:
-    """ALGORITHMS, ETA_ALGORITHMS, DATASETS: derived from the plug-in registries when read."""
-    derived = {"ALGORITHMS": algorithm_names, "ETA_ALGORITHMS": eta_algorithms, "DATASETS": _dataset_names}
+def __getattr__(name: str) -> Any:
+    """ALGORITHMS, ETA_ALGORITHMS, DATASETS, FIELDS, FIELD_BY_KEY: derived from the plug-in registries when read."""
+    derived = {"ALGORITHMS": algorithm_names, "ETA_ALGORITHMS": eta_algorithms, "DATASETS": _dataset_names,
+               "FIELDS": fields, "FIELD_BY_KEY": field_by_key}
     if name in derived:
         return derived[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -199,7 +79,7 @@ PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 # The items of key chosen-on-private-data: choices made on a validation split of the private training records.
 CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
 
-FIELDS: tuple[Field, ...] = (
+CORE_FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
     Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
@@ -287,53 +167,6 @@ FIELDS: tuple[Field, ...] = (
           low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("cvar-alpha", "float", 0.1, "Level alpha of 'cvar' and 'smoothed-cvar'.",
           low=0.0, high=1.0, low_open=True, high_open=True, role="algorithm"),
-    Field("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
-          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("eta-init", "float", 0.0, "Initial dual variable when eta-init-source='config' (public).",
-          low=-1e6, high=1e6, role="algorithm"),
-    Field("eta-init-source", "str", "config", "'config': eta starts at eta-init; 'private-mean-loss': at the mean "
-          "loss min(l, B) of all records at the initial model divided by eta-scale, released once with Gaussian "
-          "noise (multiplier eta-init-noise-multiplier, sensitivity B) and charged to the ledger (chi2's optimal "
-          "eta when every DRO weight is positive).", choices=("config", "private-mean-loss"), role="algorithm"),
-    Field("eta-init-noise-multiplier", "float", 10.0, "Noise multiplier of the private eta initialisation "
-          "(std = multiplier * loss-bound on the loss sum over all n records).", low=0.0, low_open=True, high=1e6,
-          role="privacy"),
-    Field("dro-clip", "str", "product", "How DRO weights meet clipping (dp-double-spider): 'product' clips "
-          "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
-          "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
-          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
-    Field("eta-clip-rule", "str", "fixed", "Clip of dp-double-spider's eta-refresh: 'fixed' clips G (1 - w) at "
-          "clip-eta (biased where weights exceed 1 + clip-eta / G: fatal for kl); 'weight-bound' computes w from "
-          "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
-          "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
-          choices=("fixed", "weight-bound"), role="algorithm"),
-    Field("block-order", "str", "sequential", "Order of the dual (eta, or the group weights) and model blocks of "
-          "dp-double-spider and group-level recursive-spider: 'sequential' (the paper's Algorithm 2: the x block is "
-          "evaluated at the eta or weights released in the same iteration, two message rounds per iteration) or "
-          "'simultaneous' (both blocks at the same point (x_t, eta_t), the x block with the weights of the previous "
-          "iteration's release: one round per iteration, the same releases and sensitivities; ALGORITHMS.md 3.4). "
-          "Record-level recursive-spider is simultaneous by construction (Algorithm 3) and ignores the key.",
-          choices=("sequential", "simultaneous"), role="algorithm"),
-    Field("dro-level", "str", "record", "Uncertainty set of dp-double-spider and recursive-spider: 'record' (the "
-          "paper's: a psi-divergence ball over records) or 'group' (over the K classes: q near the class priors pi, "
-          "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
-          "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
-          choices=("record", "group"), role="algorithm"),
-    Field("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes) or "
-          "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
-          "set without one is refused). With dro-level=group, 'attribute' releases a histogram of the groups before "
-          "training (prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases.",
-          choices=("class", "attribute"), role="algorithm"),
-    Field("dro-reference", "str", "prior", "Reference distribution r of dro-level=group's psi-divergence "
-          "D_psi(q || r): 'prior' (the group priors pi: the paper's centre, the empirical distribution, so q = pi is "
-          "ERM) or 'uniform' (1/K: the balanced centre, as dp-sgda's KL(p || uniform); q = r weighs every group "
-          "equally). A public choice: the record weights are w_k = r_k v_k / pi_k with v_k = q_k / r_k "
-          "(ALGORITHMS.md 3.3, 4.3).", choices=("prior", "uniform"), role="algorithm"),
-    Field("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
-          "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
-          "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
-          "eta clip is G max(1, min(W, W_cap) - 1) (ALGORITHMS.md 3.1). inf: no cap.", low=1.0, low_open=True,
-          high=1e6, allow_inf=True, role="algorithm"),
     # class-prior correction for long-tailed data (Menon et al. 2021)
     Field("logit-adjust-tau", "float", AUTO, "tau of the logit-adjusted loss CE(f(x) + tau log pi, y) used by "
           "every per-record loss (0: plain cross-entropy). 'auto': 1 for dp-sgd-la, 0 otherwise.", low=0.0,
@@ -348,87 +181,24 @@ FIELDS: tuple[Field, ...] = (
           "for class-prior='public'.", role="privacy"),
     Field("prior-noise-multiplier", "float", 10.0, "Noise multiplier (std on each class count; sensitivity 1) "
           "of the private class histogram.", low=0.0, low_open=True, high=1e6, role="privacy"),
-    # KL-DRO as a compositional problem (recursive-spider) and bounded losses
-    Field("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
-          low=0.0, high=1e3, role="algorithm"),
-    Field("lambda-init", "float", 1.0, "Initial lambda of recursive-spider (public).", low=0.0, low_open=True,
-          high=1e6, role="algorithm"),
-    Field("lambda0", "float", 0.1, "Lower bound lambda0 > 0 of recursive-spider's lambda.", low=0.0,
-          low_open=True, high=1e6, role="algorithm"),
-    Field("lambda-max", "float", 10.0, "Upper bound of recursive-spider's lambda.", low=0.0, low_open=True,
-          high=1e6, role="algorithm"),
-    Field("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
-          "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (ALGORITHMS.md 2.4).",
-          low=0.0, low_open=True, high=1e4, role="algorithm"),
-    Field("u-scale", "float", 1.0, "c_u: the d_lambda block is multiplied by c_u before the joint clip of "
-          "recursive-spider's v/u release (and divided after), so it is not swamped by the d-dim block.",
-          low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w) (at "
-          "dro-level=group: of its group-loss estimate; dp-double-spider at dro-level=group: the weight of the newest "
-          "SPIDER estimate in the bias-corrected exponential average of the group losses; 0: their running mean).",
-          low=0.0, high=1.0, role="algorithm"),
-    Field("s-min", "float", 1e-3, "Floor s_min > 0 of s_t before log and division.", low=0.0, low_open=True,
-          high=1.0, role="algorithm"),
-    Field("s-batch", "int", 1024, "Expected Poisson batch size of recursive-spider's s release.", low=1,
-          high=10**9, role="algorithm"),
-    Field("clip-s", "float", 1.0, "Clipping norm of the per-record STORM term g~(w_t) - (1-beta) g~(w_{t-1}) "
-          "(|term| <= 1, so 1 clips nothing).", low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("s-noise-ratio", "float", 2.0, "Noise multiplier of the s releases relative to the v/u releases.",
-          low=0.0, low_open=True, high=1e3, role="privacy"),
-    Field("s-clip-units", "str", "absolute", "recursive-spider's s release: 'absolute' (clip-s bounds the STORM term "
-          "g~(w_t) - (1-beta) g~(w_{t-1}), noise std z clip-s / N) or 'relative' (the term is divided by the released "
-          "s_{t-1} before the clip and the mean multiplied back, so clip-s bounds a relative change and the noise is a "
-          "fixed fraction of s; ALGORITHMS.md 2.5).", choices=("absolute", "relative"), role="algorithm"),
-    Field("loss-clamp", "str", "hard", "How recursive-spider's KL terms bound the loss at loss-bound B: 'hard' "
-          "min(l, B) (records with l > B get zero gradient) or 'soft' B - softplus(B - l) (smooth, strictly "
-          "increasing, < B: every record keeps a gradient; g~ stays in (0, 1], so sensitivities are unchanged; "
-          "ALGORITHMS.md 2.4).", choices=("hard", "soft"), role="algorithm"),
-    Field("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
-          high=1e6, role="algorithm"),
-    Field("lr-p", "float", 0.1, "Mirror-ascent step size of dp-sgda's class weights p.", low=0.0, high=1e6,
-          role="algorithm"),
-    Field("clip-stats", "float", 4.2, "Clipping norm of dp-sgda's per-record class statistics "
-          "[e_y min(l, B); e_y] (norm <= sqrt(B^2 + 1)).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     # optimisation
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000, role="algorithm"),
     Field("warmup-iterations", "int", 0, "Linear warm-up of every step size (lr-x, lr-eta, lr-lambda, lr-p): "
           "iteration t < W uses (t + 1) / W of each (0: off). Post-processing of released values, no privacy cost "
           "(ALGORITHMS.md 5.5).",
           low=0, high=10_000_000, role="algorithm"),
-    Field("q", "int", 5, "SPIDER phase length: a refresh every q iterations, differences in between.",
-          low=1, high=10_000_000, role="algorithm"),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
           "refresh-batch / n).", low=1, high=10**9, role="algorithm"),
-    Field("diff-batch", "int", 512, "Expected Poisson batch size of difference releases.", low=1, high=10**9,
-          role="algorithm"),
     Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6, role="algorithm"),
     Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("clip-eta", "float", 1.0, "Clipping norm C_eta of per-record eta-gradients (refresh).",
-          low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("clip-diff", "float", 4.0, "C_diff: difference clip C_t = min(C_diff * Delta_t, C_max), Delta_t the "
-          "distance between the two parameter points.", low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("clip-diff-max", "float", 0.15, "C_max, the largest difference clipping norm (0.15 with q = 5 and "
-          "diff-batch = refresh-batch / 2 keeps a phase's difference noise near its refresh noise: "
-          "server/diagnostics.py).",
-          low=0.0, low_open=True, high=1e6, role="algorithm"),
-    Field("eta-noise-ratio", "float", 2.0, "Noise multiplier of the eta releases relative to the x releases "
-          "(calibration scales both to meet the target; noise-allocation='ratios').", low=0.0, low_open=True,
-          high=1e3, role="privacy"),
     Field("noise-allocation", "str", "variance", "How the noise multipliers of an algorithm's mechanisms relate: "
           "'ratios' = eta-noise-ratio / s-noise-ratio; 'variance' = the rule of server/allocation.py minimising "
           "the weighted noise variance of the released estimates per unit of privacy (calibration then scales "
           "all of them to the target).", choices=("ratios", "variance"), role="privacy"),
-    Field("rs-clip-units", "str", "absolute", "recursive-spider's v/u clip bounds: 'absolute' (clip-x, clip-diff "
-          "on [grad_x g~ ; c_u d_lambda g~]) or 'relative' (the vector is scaled by lambda_t / s_{t-1} first, so the "
-          "bounds are in the units of the update z = lambda v / s; ALGORITHMS.md 5.4).",
-          choices=("absolute", "relative"), role="algorithm"),
     Field("clip-count-scale", "float", 0.1, "c: every private release carries one more coordinate "
           "c * clip * 1[record clipped], so its noisy value estimates the clipped fraction (the sensitivity becomes "
           "clip sqrt(1 + c^2): 0.5% more noise at 0.1). 0: not measured.", low=0.0, high=10.0, role="algorithm"),
-    Field("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
-          "(public coin) as in the theory.", choices=("last", "random"), role="algorithm"),
     # privacy
     Field("epsilon", "float", 4.0, "Target epsilon of (epsilon, delta)-DP at record level; inf: not private "
           "(no clipping, no noise).", low=0.0, low_open=True, allow_inf=True, high=1e4, role="privacy"),
@@ -497,20 +267,44 @@ FIELDS: tuple[Field, ...] = (
     Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
           choices=("poisson", "fixed-size"), role="privacy"),
-    Field("inject-fault", "str", "", "Testing only: '<partition>:<iteration>:<kind>' makes that client fail at "
-          "that iteration; kind raise, raise-once (first attempt only), nan (malformed reply) or hang; kind leak "
-          "makes the server keep a copy of that client's first reply of every round from that iteration on.",
-          role="runtime"),
 )
 
-FIELD_BY_KEY: dict[str, Field] = {f.key: f for f in FIELDS}
+_CORE_KEYS = frozenset(f.key for f in CORE_FIELDS)
+
+
+def fields() -> tuple[Field, ...]:
+    """Every configuration key: ``CORE_FIELDS``, then each declared algorithm's params (in declaration order).
+
+    Read when needed, so that a plug-in algorithm declared later adds its keys. Raises ValueError when an algorithm
+    declares a key of ``CORE_FIELDS``."""
+    params = algorithm_params()
+    clash = sorted(k for k in params if k in _CORE_KEYS)
+    if clash:
+        raise ValueError(f"algorithm params {', '.join(map(repr, clash))} are keys every run reads (common/config.py): "
+                         "an algorithm may declare new keys only")
+    return CORE_FIELDS + tuple(params.values())
+
+
+def field_by_key() -> dict[str, Field]:
+    """key -> Field of every configuration key (``fields``)."""
+    return {f.key: f for f in fields()}
+
+
+# Keys that configurations and run directories written by earlier versions may hold, with the value that meant
+# "unset": such a key at that value is dropped when read (old config.json files and checkpoints load); any other
+# value is refused with the reason. inject-fault is now the test hook common/faults.py (an environment variable).
+RETIRED_KEYS: dict[str, tuple[Any, str]] = {
+    "inject-fault": ("", "it is no longer a configuration key: tests inject faults with $DPDRO_INJECT_FAULT "
+                         "(common/faults.py)"),
+}
 
 
 def unknown_keys_message(unknown: list[str]) -> str:
     """'unknown config key ...' with the nearest known key for each (difflib), instead of every key on one line."""
+    known = field_by_key()
     parts = []
     for key in unknown:
-        near = difflib.get_close_matches(key, FIELD_BY_KEY, n=1, cutoff=0.6)
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         parts.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
     return (f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; `dpdro keys` lists every key "
             "with its default and allowed values")
@@ -521,48 +315,136 @@ def keys_with_role(*roles: str) -> tuple[str, ...]:
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise ValueError(f"unknown role(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(ROLES)}")
-    return tuple(f.key for f in FIELDS if f.role in roles)
+    return tuple(f.key for f in fields() if f.role in roles)
 
 
-def _make_config_class() -> type:
-    fields = [(f.attr, Any, dataclasses.field(default=f.default)) for f in FIELDS]
-    return dataclasses.make_dataclass("_ConfigBase", fields, frozen=True)
+def _join(errors: list[str]) -> str:
+    """One message of several errors (one per line after a count), or the one error itself."""
+    if len(errors) == 1:
+        return errors[0]
+    return f"{len(errors)} configuration errors:\n" + "\n".join(f"  - {e}" for e in errors)
 
 
-_ConfigBase = _make_config_class()
+# The sections every Config has (typed frozen dataclasses, one attribute per key of CORE_FIELDS in that section).
+DataConfig = section_class("DataConfig", [f for f in CORE_FIELDS if f.section == "data"])
+TrainingConfig = section_class("TrainingConfig", [f for f in CORE_FIELDS if f.section == "training"])
+PrivacyConfig = section_class("PrivacyConfig", [f for f in CORE_FIELDS if f.section == "privacy"])
+RuntimeConfig = section_class("RuntimeConfig", [f for f in CORE_FIELDS if f.section == "runtime"])
+_CORE_SECTIONS = {"data": DataConfig, "training": TrainingConfig, "privacy": PrivacyConfig, "runtime": RuntimeConfig}
+_PARAMS_CLASSES: dict[tuple[str, int], type] = {}
 
 
-class Config(_ConfigBase):  # type: ignore[misc, valid-type]
-    """A validated, immutable configuration.
+def params_class(spec: AlgorithmSpec) -> type:
+    """The typed dataclass of an algorithm's parameters: the keys in ``spec.keys`` that algorithms declare
+    (section 'algorithm'), e.g. ``DpDoubleSpiderParams``. Cached per spec."""
+    key = (spec.name, id(spec))
+    if key not in _PARAMS_CLASSES:
+        declared = algorithm_params()
+        name = "".join(part.capitalize() for part in spec.name.replace("_", "-").split("-")) + "Params"
+        _PARAMS_CLASSES[key] = section_class(name, [declared[k] for k in spec.keys if k in declared])
+    return _PARAMS_CLASSES[key]
 
-    Attribute names are the keys with '-' replaced by '_' (``lambda`` is ``lambda_``).
+
+class Config:
+    """A validated, immutable configuration (build it with ``from_mapping``).
+
+    Sections (typed frozen dataclasses; attribute names are the keys with '-' replaced by '_', ``lambda`` is
+    ``lambda_``): ``data``, ``training``, ``privacy``, ``runtime`` (the keys every run reads, by ``Field.section``)
+    and ``params`` (the chosen algorithm's own keys, ``AlgorithmSpec.params``). Every key is also a flat attribute
+    (``cfg.q``), also the keys of algorithms not chosen (their values travel with the run: config.json, Flower's run
+    config).
     """
 
+    __slots__ = ("_values", "_attrs", "data", "training", "privacy", "runtime", "params")
+
+    def __init__(self, values: Mapping[str, Any], _validated: bool = False) -> None:
+        if not _validated:
+            raise TypeError("build a Config with Config.from_mapping(...)")
+        known = fields()
+        set_ = object.__setattr__
+        set_(self, "_values", {f.key: values[f.key] for f in known})
+        set_(self, "_attrs", {f.attr: values[f.key] for f in known})
+        for name, cls in _CORE_SECTIONS.items():
+            set_(self, name, cls(**{f.attr: values[f.key] for f in CORE_FIELDS if f.section == name}))
+        spec = ALGORITHM_SPECS[values["algorithm"]]
+        own = params_class(spec)
+        set_(self, "params", own(**{a: self._attrs[a] for a in own.__dataclass_fields__}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in Config.__slots__:  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        try:
+            return self._attrs[name]
+        except KeyError:
+            raise AttributeError(f"Config has no key {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Config is immutable: use with_updates({{{name.replace('_', '-')!r}: ...}})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __repr__(self) -> str:
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+    def __reduce__(self):
+        return (_rebuild, (self._values,))
+
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None = None, *, ignore_unknown: bool = False) -> Config:
+    def from_mapping(cls, values: Mapping[str, Any] | None = None, *, ignore_unknown: bool = False,
+                     warn: bool = True) -> Config:
         """Build from a mapping of kebab-case keys (missing keys take defaults).
 
-        Raises ConfigError for an unknown key (unless ``ignore_unknown``), a bad type or a value out of range,
-        and for combinations that cannot work (see ``_check_combinations``).
+        Raises one ConfigError naming every invalid key: unknown ones (with the nearest known key; unless
+        ``ignore_unknown``), bad types and values out of range, then every combination that cannot work (see
+        ``_check_combinations``). With ``warn``, a key set to a non-default value that the chosen algorithm does
+        not read is an ``IgnoredKeyWarning`` naming it.
         """
         values = dict(values or {})
-        unknown = sorted(k for k in values if k not in FIELD_BY_KEY)
+        errors = []
+        for key, (unset, why) in RETIRED_KEYS.items():
+            if key in values and values.pop(key) != unset:
+                errors.append(f"config key '{key}': {why}")
+        known = field_by_key()
+        unknown = sorted(k for k in values if k not in known)
         if unknown and not ignore_unknown:
-            raise ConfigError(unknown_keys_message(unknown))
-        parsed = {f.attr: f.parse(values.get(f.key, f.default)) for f in FIELDS}
-        cfg = cls(**parsed)
+            errors.append(unknown_keys_message(unknown))
+        parsed = {}
+        for f in known.values():
+            try:
+                parsed[f.key] = f.parse(values.get(f.key, f.default))
+            except ConfigError as e:
+                errors.append(str(e))
+        if errors:
+            raise ConfigError(_join(errors))
+        cfg = cls(parsed, _validated=True)
         cfg._check_combinations()
+        if warn:
+            cfg._warn_ignored()
         return cfg
 
+    def _warn_ignored(self) -> None:
+        """IgnoredKeyWarning for each algorithm key at a non-default value that the chosen algorithm does not read."""
+        spec = ALGORITHM_SPECS[self.algorithm]
+        ignored = [f.key for f in algorithm_params().values()
+                   if f.key not in spec.keys and self._values[f.key] != f.default]
+        for key in ignored:
+            warnings.warn(f"config key '{key}' = {self._values[key]!r} is ignored: algorithm {self.algorithm!r} does "
+                          "not read it", IgnoredKeyWarning, stacklevel=3)
+
     def with_updates(self, updates: Mapping[str, Any]) -> Config:
-        """A new validated config with some keys changed."""
+        """A new validated config with some keys changed (no IgnoredKeyWarning: this config's were given)."""
         merged = self.to_dict()
         merged.update(updates)
-        return Config.from_mapping(merged)
+        return Config.from_mapping(merged, warn=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Kebab-case mapping of every key (JSON- and TOML-friendly; inf stays a float)."""
-        return {f.key: getattr(self, f.attr) for f in FIELDS}
+        return dict(self._values)
+
 
     @property
     def private(self) -> bool:
@@ -577,6 +459,18 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         return self.private and self.reproducible
 
     def _check_combinations(self) -> None:
+        """Raise one ConfigError naming every combination of keys that cannot work (each check's first)."""
+        errors = []
+        for check in (self._check_privacy, self._check_batches, self._check_algorithm, self._check_data,
+                      self._check_features):
+            try:
+                check()
+            except ConfigError as e:
+                errors.append(str(e))
+        if errors:
+            raise ConfigError(_join(errors))
+
+    def _check_privacy(self) -> None:
         if self.noise_from_saved_seed and not self.reproducible_for_testing:
             raise ConfigError(f"config key 'reproducible': got true with epsilon={self.epsilon:g}; allowed with a "
                               "finite epsilon: false only (noise and Poisson samples would derive from 'seed', which "
@@ -597,17 +491,28 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if self.min_clients > self.num_clients:
             raise ConfigError(f"config key 'min-clients': got {self.min_clients}; allowed: at most num-clients "
                               f"({self.num_clients})")
-        if self.inject_fault:
-            parse_fault(self.inject_fault)
-        if not self.lambda0 <= self.lambda_init <= self.lambda_max:
-            raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
-                              f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")
+
+    def _check_batches(self) -> None:
         if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
             raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
         if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
             raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
                               f"max-train-records ({self.max_train_records})")
+
+    def _check_algorithm(self) -> None:
+        """The chosen algorithm's own check of its params (``AlgorithmSpec.check``) and the logit adjustment."""
+        spec = ALGORITHM_SPECS[self.algorithm]
+        if spec.check is not None:
+            try:
+                spec.check({f.key: self._values[f.key] for f in algorithm_params().values() if f.key in spec.keys})
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if spec.logit_adjusted and self.tau == 0:
+            raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
+                              "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
+
+    def _check_data(self) -> None:
         from .data import DATASETS  # late: data.py imports this module
 
         try:  # an import path is imported here: its error before any work
@@ -620,7 +525,6 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
                 spec.check({k: values[k] for k in spec.keys})
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self._check_features()
         if is_entry_point(self.model):
             from .models import MODELS  # late: torch
 
@@ -644,9 +548,6 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if self.class_prior == "public" and self.uses_priors:
             self.public_prior()  # raises for a malformed list
         self.chosen_on_private  # noqa: B018  (raises for an unknown item)
-        if ALGORITHM_SPECS[self.algorithm].logit_adjusted and self.tau == 0:
-            raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
-                              "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
 
     def _check_features(self) -> None:
         """features=scatternet needs a model made for its features (scatter-linear, scatter-cnn, or your own by
@@ -728,6 +629,11 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         return values
 
 
+def _rebuild(values: dict[str, Any]) -> Config:
+    """A pickled Config (``Config.__reduce__``): its values were validated when it was built."""
+    return Config(values, _validated=True)
+
+
 def check_device(device: str) -> None:
     """Raise ConfigError unless torch can compute on ``device`` (config key device) on this machine.
 
@@ -741,22 +647,6 @@ def check_device(device: str) -> None:
             raise ConfigError("config key 'device': got 'cuda', but torch.cuda.is_available() is False on this "
                               f"machine (no usable CUDA GPU or driver, or a CPU-only torch {torch.__version__}); "
                               "allowed here: 'cpu'")
-
-
-FAULT_KINDS = ("raise", "raise-once", "nan", "hang", "leak")
-
-
-def parse_fault(text: str) -> tuple[int, int, str]:
-    """Parse 'inject-fault' = '<partition>:<iteration>:<kind>'; raises ConfigError naming the key."""
-    parts = text.split(":")
-    try:
-        pid, it, kind = int(parts[0]), int(parts[1]), parts[2]
-        if len(parts) != 3 or pid < 0 or it < 0 or kind not in FAULT_KINDS:
-            raise ValueError
-    except (ValueError, IndexError):
-        raise ConfigError(f"config key 'inject-fault': got {text!r}; allowed: '' or '<partition>:<iteration>:<kind>' "
-                          f"with kind in {', '.join(FAULT_KINDS)}") from None
-    return pid, it, kind
 
 
 def load_toml_keys(path: str | os.PathLike) -> dict[str, Any]:
@@ -817,4 +707,4 @@ def toml_lines(values: Mapping[str, Any]) -> str:
 
 def default_toml_table() -> str:
     """The ``[tool.flwr.app.config]`` body for pyproject.toml, generated from FIELDS."""
-    return toml_lines({f.key: f.default for f in FIELDS})
+    return toml_lines({f.key: f.default for f in fields()})

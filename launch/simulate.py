@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common import faults
 from ..common.config import Config, ConfigError, toml_value
 from ..common.data import pin_data_paths
 from ..server.rundir import RunDir, check_out_dir, read_json
@@ -58,7 +59,7 @@ class SimulationError(RuntimeError):
 
 def run_config_string(cfg: Config) -> str:
     """Every key as Flower's --run-config string ('key=value key2="text" ...')."""
-    return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.to_dict().items())
+    return " ".join(f"{k}={toml_value(v)}" for k, v in (cfg.to_dict() | faults.carry()).items())
 
 
 def _flwr(*args: str) -> list[str]:

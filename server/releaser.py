@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..common.config import Config, parse_fault
+from ..common.config import Config
+from ..common.faults import active_fault
 from ..common.messages import Query, Reply
 from ..common.rng import site_rng
 from ..common.transport import ClientFailure, Transport
@@ -103,9 +104,9 @@ class Releaser:
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant)
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
-        fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
-        # testing only (inject-fault kind 'leak'): (partition, first iteration) whose replies are kept, so that
-        # the memory tests can show they catch a leak of one reply per round
+        fault = active_fault()
+        # test hook only ($DPDRO_INJECT_FAULT kind 'leak', common/faults.py): (partition, first iteration) whose
+        # replies are kept, so that the memory tests can show they catch a leak of one reply per round
         self.leak = fault[:2] if fault and fault[2] == "leak" else None
         self.leaked: list[np.ndarray] = []
 

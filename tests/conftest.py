@@ -39,10 +39,18 @@ def flower_superlink():
 
 
 @pytest.fixture
-def small_config(tmp_path):
+def small_config(tmp_path, monkeypatch):
+    """make(**keys) -> a small Config. ``inject_fault='<partition>:<iteration>:<kind>'`` (not a key: the test hook
+    of common/faults.py) sets $DPDRO_INJECT_FAULT until the next make() (the fault belongs to the run made next
+    with that config; a config made without it clears it)."""
     from dpdro.common.config import Config
+    from dpdro.common.faults import ENV
 
-    def make(**overrides):
+    def make(inject_fault: str = "", **overrides):
+        if inject_fault:
+            monkeypatch.setenv(ENV, inject_fault)
+        else:
+            monkeypatch.delenv(ENV, raising=False)
         keys = {k.rstrip("_").replace("_", "-"): v for k, v in overrides.items()}
         values = {**SMALL, "out-dir": str(tmp_path / "run"), **keys}
         return Config.from_mapping(values)

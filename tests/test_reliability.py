@@ -164,9 +164,19 @@ def test_fixed_size_sampling_draws_exact_batches_when_not_private(small_config):
     assert len(idx) == 300 and len(np.unique(idx)) == 300
 
 
-def test_bad_inject_fault_is_a_config_error():
-    with pytest.raises(ConfigError, match="inject-fault"):
-        Config.from_mapping({"inject-fault": "1:x:raise"})
+def test_inject_fault_is_a_test_hook_not_a_config_key(monkeypatch):
+    """The retired key still loads at its old default (old config.json files), and is refused otherwise; the hook
+    ($DPDRO_INJECT_FAULT) refuses a malformed value naming the variable."""
+    from dpdro.common.faults import ENV, active_fault
+
+    assert Config.from_mapping({"inject-fault": ""}) == Config.from_mapping({})
+    with pytest.raises(ConfigError, match="config key 'inject-fault': it is no longer a configuration key"):
+        Config.from_mapping({"inject-fault": "1:2:raise"})
+    monkeypatch.setenv(ENV, "1:x:raise")
+    with pytest.raises(ValueError, match=r"\$DPDRO_INJECT_FAULT: got '1:x:raise'"):
+        active_fault()
+    monkeypatch.setenv(ENV, "1:2:raise-once")
+    assert active_fault() == (1, 2, "raise-once")
     with pytest.raises(ConfigError, match="min-clients"):
         Config.from_mapping({"num-clients": 2, "min-clients": 3})
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dpdro.common.config import Config
+from dpdro.common.faults import RUN_CONFIG_KEY
 from dpdro.common.messages import Point, Query
 
 
@@ -102,8 +103,8 @@ def test_warm_worker_replies_are_the_clientapps_own_and_it_exits_with_its_node(c
         assert len(_daemon_pids(ep.log_file)) == 1  # one start for both requests
         pid = _daemon_pids(ep.log_file)[0]
 
-        faulty = {"config": csv_cfg.with_updates({"inject-fault": "1:4:raise"}).to_dict(), "partition": 1}
-        with pytest.raises(RuntimeError, match=r"^injected failure of partition 1 at iteration 4 \(inject-fault\)$"):
+        faulty = {"config": {**csv_cfg.to_dict(), RUN_CONFIG_KEY: "1:4:raise"}, "partition": 1}
+        with pytest.raises(RuntimeError, match=r"^injected failure of partition 1 at iteration 4 \(injected fault\)$"):
             warm.call(ep, 60, watched.pid, {**faulty, "op": "answer", "queries": queries[:1], "versions": versions})
         with pytest.raises(ValueError, match="op='nope'"):
             warm.call(ep, 60, watched.pid, {**base, "op": "nope"})

@@ -34,6 +34,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
+from ...common import faults
 from ...common.config import Config, keys_with_role
 from ...common.flower.wire import pack_replies, unpack_queries
 
@@ -65,7 +66,7 @@ def _config(context: Context) -> Config:
     """The run config with this node's own data-root and cache-dir. PartitionError when the node's declared
     ``dataset`` is not the run's, or when the run is node-local and the node config names no data-root (the node
     would otherwise read the server's path)."""
-    cfg = Config.from_mapping(dict(context.run_config), ignore_unknown=True)
+    cfg = Config.from_mapping(faults.adopt(context.run_config), ignore_unknown=True)
     node = context.node_config
     if "dataset" in node and str(node["dataset"]) != cfg.dataset:
         raise PartitionError(f"node config dataset={node['dataset']!r}, but the run trains on dataset="
@@ -237,7 +238,8 @@ def hello(msg: Message, context: Context) -> Message:
     try:
         cfg = _config(context)
         pid = _partition(context, cfg)
-        num_records = _on_warm_worker(context, {"op": "records", "config": cfg.to_dict(), "partition": pid})
+        request = {"op": "records", "config": cfg.to_dict() | faults.carry(), "partition": pid}
+        num_records = _on_warm_worker(context, request)
         if num_records is None:
             num_records = _num_records(cfg, pid)
     except Exception as e:  # noqa: BLE001 - any error: reported with the partition; the server's policy decides
@@ -261,7 +263,7 @@ def _answer(context: Context, queries, incoming):
     missing = sorted(needed - set(versions))
     if missing:  # the server resends them (e.g. after this node restarted)
         raise KeyError(f"missing model versions {missing}")
-    replies = _on_warm_worker(context, {"op": "answer", "config": cfg.to_dict(), "partition": pid,
+    replies = _on_warm_worker(context, {"op": "answer", "config": cfg.to_dict() | faults.carry(), "partition": pid,
                                         "queries": queries, "versions": {v: versions[v] for v in needed}})
     if replies is None:
         worker = _worker(cfg, pid)

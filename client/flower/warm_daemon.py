@@ -33,10 +33,12 @@ WATCH_SECONDS = 0.5  # how often the watched process and the idle time are check
 
 def handle(request: dict):
     """The value for one request (see the module docstring). ValueError for an unknown ``op``."""
+    from ...common import faults
     from ...common.config import Config
     from .app import _worker
 
-    cfg = Config.from_mapping(request["config"])
+    os.environ.pop(faults.ENV, None)  # this request's fault, if any, and no earlier one
+    cfg = Config.from_mapping(faults.adopt(request["config"]))
     worker = _worker(cfg, int(request["partition"]))
     if request["op"] == "records":
         return worker.num_records

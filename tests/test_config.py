@@ -234,3 +234,93 @@ def test_every_shipped_choice_made_on_private_data_is_marked(path):
     if best:
         expected.add("model")
     assert set(Config.from_mapping(keys).chosen_on_private) == expected
+
+
+SHIPPED = sorted((ROOT / "simulations" / "configs").rglob("*.toml")) + sorted((ROOT / "examples").rglob("*.toml"))
+
+
+def test_there_are_shipped_configuration_files():
+    assert len(SHIPPED) >= 30  # the tuned, handset and example files (a moved folder would empty the next test)
+
+
+@pytest.mark.filterwarnings("ignore::dpdro.common.config.IgnoredKeyWarning")  # e.g. the tuner's shared s-batch
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_configuration_file_loads_unchanged(path):
+    """Each key of each file under simulations/configs and examples/ keeps its name and its value."""
+    from dpdro.common.config import load_toml_keys
+
+    keys = load_toml_keys(path)
+    values = Config.from_mapping(keys).to_dict()
+    assert keys and all(values[k] == FIELD_BY_KEY[k].parse(v) for k, v in keys.items())
+
+
+def test_every_invalid_key_is_reported_at_once_with_suggestions():
+    with pytest.raises(ConfigError) as err:
+        Config.from_mapping({"epsilonn": 1, "q": 0, "psi": "chi", "lambda": "abc", "clip-x": 1.0})
+    msg = str(err.value)
+    assert msg.startswith("4 configuration errors:\n")
+    assert "unknown config key 'epsilonn' (did you mean 'epsilon'?)" in msg
+    assert "config key 'q': got 0; allowed: an integer in [1, 1e+07]" in msg
+    assert "config key 'psi': got 'chi' (did you mean 'chi2'?)" in msg
+    assert "config key 'lambda': got 'abc'" in msg
+    # combinations too, each check's own message
+    with pytest.raises(ConfigError) as err:
+        Config.from_mapping({"epsilon": math.inf, "noise-mode": "local", "algorithm": "recursive-spider",
+                             "lambda0": 5.0})
+    assert str(err.value).startswith("2 configuration errors:\n")
+    assert "config key 'noise-mode': got 'local'; allowed with epsilon=inf" in str(err.value)
+    assert "config keys 'lambda0', 'lambda-init', 'lambda-max': got 5.0, 1.0, 10.0" in str(err.value)
+
+
+def test_a_key_the_chosen_algorithm_ignores_is_a_warning_naming_it(recwarn):
+    from dpdro.common.config import IgnoredKeyWarning
+
+    with pytest.warns(IgnoredKeyWarning, match=r"^config key 'q' = 3 is ignored: algorithm 'dp-sgd' does not read it$"):
+        Config.from_mapping({"algorithm": "dp-sgd", "q": 3})
+    recwarn.clear()
+    Config.from_mapping({"algorithm": "dp-sgd", "q": 5, "lr-x": 3.0})  # a default value, a key every run reads
+    Config.from_mapping({"algorithm": "dp-double-spider", "q": 3}).with_updates({"algorithm": "dp-sgd"})
+    assert not [w for w in recwarn if issubclass(w.category, IgnoredKeyWarning)]
+    # the lambda range is recursive-spider's own check: other algorithms ignore those keys
+    assert Config.from_mapping({"algorithm": "dp-sgd", "lambda0": 5.0}, warn=False).lambda0 == 5.0
+
+
+def test_sections_are_typed_and_hold_every_key_once():
+    from dpdro.common.config import CORE_FIELDS, SECTIONS
+
+    cfg = Config.from_mapping({"algorithm": "recursive-spider", "epsilon": 2, "rho": 0.3})
+    assert cfg.privacy.epsilon == 2.0 and cfg.params.rho == 0.3 and cfg.rho == 0.3
+    assert cfg.data.dataset == "mnist-st" and cfg.runtime.out_dir == "runs/latest" and cfg.training.lr_x == 1.0
+    assert {f.section for f in FIELDS} == set(SECTIONS)
+    seen = [a for s in ("data", "training", "privacy", "runtime") for a in type(getattr(cfg, s)).__dataclass_fields__]
+    assert sorted(seen) == sorted(f.attr for f in CORE_FIELDS)
+    types = {name: f.type for name, f in type(cfg.privacy).__dataclass_fields__.items()}
+    assert types["epsilon"] is float and types["accountant"] is str and types["delta"] == float | str
+    own = set(type(cfg.params).__dataclass_fields__)
+    assert {"q", "diff_batch", "rho", "lambda0", "s_min", "dro_level"} <= own  # its own and the shared SPIDER keys
+    assert not own & {"lr_x", "epsilon", "clip_eta", "lr_p"}  # keys every run reads, other algorithms' keys
+    with pytest.raises(AttributeError, match="immutable"):
+        cfg.q = 3
+    with pytest.raises(AttributeError, match="no key 'nope'"):
+        cfg.nope  # noqa: B018
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(pickle.loads(pickle.dumps(cfg))) == hash(cfg)
+
+
+def test_an_algorithm_cannot_redeclare_a_key():
+    from dpdro.common.algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec, declare_algorithm
+    from dpdro.common.config import fields
+    from dpdro.common.config_schema import param
+
+    with pytest.raises(ValueError, match="config key 'q' is already declared otherwise"):
+        declare_algorithm(AlgorithmSpec("toy-q", keys=("q",), quantities=(), params=(param("q", "int", 7, "."),)))
+    with pytest.raises(ValueError, match="params 'rho' are not in its keys"):
+        AlgorithmSpec("toy-keys", keys=(), quantities=(), params=(FIELD_BY_KEY["rho"],))
+    declare_algorithm(AlgorithmSpec("toy-eps", keys=("epsilon",), quantities=(),
+                                    params=(param("epsilon", "float", 1.0, "."),)))
+    try:
+        with pytest.raises(ValueError, match="algorithm params 'epsilon' are keys every run reads"):
+            fields()
+    finally:
+        ALGORITHM_SPECS.pop("toy-eps")

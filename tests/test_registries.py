@@ -47,7 +47,8 @@ def test_specs_name_only_registered_keys_quantities_and_models():
 
 @pytest.mark.parametrize("name", list(ALGORITHM_SPECS))
 def test_algorithms_query_only_their_declared_quantities(name):
-    cfg = Config.from_mapping({"algorithm": name, "q": 2, "iterations": 4})
+    q = {"q": 2} if "q" in ALGORITHM_SPECS[name].keys else {}
+    cfg = Config.from_mapping({"algorithm": name, **q, "iterations": 4})
     algo = ALGORITHMS[name](cfg, 1000, 5, 3)
     state = algo.start_state(np.zeros(5), 0.0)
     seen = set()

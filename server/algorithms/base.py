@@ -79,6 +79,12 @@ class Algorithm(ABC):
         self.dim = dim
         self.num_classes = num_classes
 
+    @property
+    def params(self):
+        """The algorithm's own config keys, typed (``Config.params``: its ``AlgorithmSpec.params`` and the keys of
+        other algorithms' specs it reads), e.g. ``self.params.q``."""
+        return self.cfg.params
+
     @classmethod
     def variant_for(cls, cfg) -> type[Algorithm]:
         """The class that runs ``cfg`` (this one; an algorithm with variants, such as dro-level=group, returns

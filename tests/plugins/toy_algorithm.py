@@ -1,5 +1,6 @@
 """A toy algorithm in one file (docs/DEVELOPING.md): private gradient descent with momentum on the cross-entropy,
-with its own per-record quantity. Registering it takes the two decorators below; tests/test_plugins.py trains it.
+with its own per-record quantity and its own config key (momentum). Registering it takes the two decorators below;
+tests/test_plugins.py trains it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from dpdro.common.algorithm_specs import AlgorithmSpec
+from dpdro.common.config_schema import param
 from dpdro.common.messages import Point, Query
 from dpdro.common.quantities import register_quantity
 from dpdro.server.algorithms import Algorithm, State, register_algorithm
@@ -29,10 +31,14 @@ class ToyState(State):
     m: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
-@register_algorithm(AlgorithmSpec("toy-momentum", keys=("refresh-batch", "clip-x", "lr-x"),
-                                  quantities=("toy-ce-grad",)))
+MOMENTUM = param("momentum", "float", 0.5, "Weight of the past in toy-momentum's m <- momentum m + g.", low=0.0,
+                 high=1.0, high_open=True)
+
+
+@register_algorithm(AlgorithmSpec("toy-momentum", keys=("refresh-batch", "clip-x", "lr-x", "momentum"),
+                                  quantities=("toy-ce-grad",), params=(MOMENTUM,)))
 class ToyMomentum(Algorithm):
-    """x <- x - lr (m <- 0.5 m + g), g the noisy mean of clipped per-record gradients: one release per step."""
+    """x <- x - lr (m <- momentum m + g), g the noisy mean of clipped per-record gradients: one release per step."""
 
     def mechanisms(self) -> list[Mechanism]:
         return [Mechanism("grad", self.rate(self.cfg.refresh_batch))]
@@ -49,7 +55,7 @@ class ToyMomentum(Algorithm):
                       c.clip(c.clip_x), self.dim)]
 
     def apply(self, state: ToyState, released: dict[str, np.ndarray]) -> ToyState:
-        m = 0.5 * state.m + released["grad"]
+        m = self.params.momentum * state.m + released["grad"]
         return ToyState(t=state.t + 1, x=state.x - self.cfg.lr_x * m, m=m)
 
     def versions(self, state: ToyState) -> dict[int, np.ndarray]:

@@ -28,7 +28,7 @@ class LocalTransport:
 
     def __init__(self, cfg, train: ArrayDataset, module=None) -> None:
         """``module``: a model object for every worker instead of config key ``model`` (``ShardWorker``)."""
-        parts = make_partition(cfg, train.y.numpy())
+        parts = make_partition(cfg.data, train.y.numpy())
         self.workers = [ShardWorker(cfg, train.subset(idx), pid, module) for pid, idx in enumerate(parts)]
         self.timeout = float(cfg.round_timeout)
 

@@ -56,13 +56,14 @@ NODE_LOCAL_ONLY_DEPLOYED = (
     "\"data-root='/site/data'\"): single-node training and the simulation hold one data set in one place")
 
 
-def make_partition(cfg, labels: np.ndarray) -> list[np.ndarray]:
-    """The partition described by a ``Config`` (keys partition, num-clients, dirichlet-alpha, seed). ConfigError
-    for partition='node-local': there each node reads its own data and nothing is partitioned centrally."""
-    if cfg.partition == "node-local":
+def make_partition(data, labels: np.ndarray) -> list[np.ndarray]:
+    """The partition described by a Config's ``data`` section (keys partition, num-clients, dirichlet-alpha, seed).
+    ConfigError for partition='node-local': there each node reads its own data and nothing is partitioned
+    centrally."""
+    if data.partition == "node-local":
         from .config import ConfigError
 
         raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
-    if cfg.partition == "iid":
-        return iid_partition(len(labels), cfg.num_clients, cfg.seed)
-    return dirichlet_partition(labels, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed)
+    if data.partition == "iid":
+        return iid_partition(len(labels), data.num_clients, data.seed)
+    return dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)

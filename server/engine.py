@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
+from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, TrainingConfig, keys_with_role
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.model_fix import fix_model
@@ -249,7 +249,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
             setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
-    prediction_shift = _prediction_shift(cfg, setup)
+    prediction_shift = _prediction_shift(cfg.training, setup)
 
     def wall() -> float:
         return wall_before + time.perf_counter() - start
@@ -264,7 +264,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
 
     def eval_row() -> dict:
         x, _ = algo.output(state)
-        metrics = evaluate(model, x, test, cfg, prediction_shift)
+        metrics = evaluate(model, x, test, cfg.training, prediction_shift)
         losses = metrics.pop("losses")
         return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
                 **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
@@ -280,7 +280,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         # checkpoints before the server view was a Ledger hold only its (rate, z) counts
         releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
         releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
-        charged = charge_lost_releases(lost, ledger, releaser.server_ledger, cfg, state.t)
+        charged = charge_lost_releases(lost, ledger, releaser.server_ledger, cfg.privacy, state.t)
         if charged:
             log.warning("%s", charged)
             progress.on_note(charged)
@@ -334,7 +334,7 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
     finished run: post-processing of the released iterate ``x`` (d,) of the trainable parameters (the frozen ones,
     from ``initial``'s preparation, are saved as the module holds them) and of the reported metrics."""
     params = model.unflatten(torch.as_tensor(x).to(model.dtype))
-    shift = _prediction_shift(cfg, setup)
+    shift = _prediction_shift(cfg.training, setup)
     named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
     classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
     meta = {"factory": factory, "module_class": describe_module_class(model.module), "model_fix": cfg.model_fix,
@@ -359,11 +359,11 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
     write_model_card(rd.path, summary, meta, plots)
 
 
-def _prediction_shift(cfg: Config, setup) -> np.ndarray | None:
+def _prediction_shift(training: TrainingConfig, setup) -> np.ndarray | None:
     """-posthoc_tau log(pi) (K,), added to the logits at prediction (post-hoc logit adjustment), or None."""
-    if cfg.posthoc_tau == 0 or setup.priors is None:
+    if training.posthoc_tau == 0 or setup.priors is None:
         return None
-    return -cfg.posthoc_tau * np.log(np.asarray(setup.priors))
+    return -training.posthoc_tau * np.log(np.asarray(setup.priors))
 
 
 def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
@@ -392,7 +392,7 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
     return state, rows, wall_before, setup, lost
 
 
-def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger, cfg: Config,
+def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger, privacy: PrivacyConfig,
                          checkpoint_t: int) -> str | None:
     """Charge, on both ledgers, the releases made after the checkpoint a run resumes from (``lost``: events of
     ``RunDir.journal_since``): they were made, their values may have been seen (evaluation lines, the server in
@@ -411,7 +411,7 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
     last = max(e["iteration"] for e in released)
     span = f"iteration {last}" if last == checkpoint_t else f"iterations {checkpoint_t}-{last}"
     # in distributed and local mode the server's own ledger must fit too (its guard would stop the run later)
-    checked = [("", ledger)] + ([(" against the server", server_ledger)] if cfg.noise_mode != "central" else [])
+    checked = [("", ledger)] + ([(" against the server", server_ledger)] if privacy.noise_mode != "central" else [])
     for against, book in checked:
         completed = book.epsilon_if_completed()
         if ledger.private and completed > book.epsilon:
@@ -419,7 +419,7 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
                 f"{len(released)} release(s) of {span} were made after the last checkpoint "
                 f"(iteration {checkpoint_t}) by the run that stopped without one; they are charged, and with them "
                 f"finishing the plan would spend epsilon{against} {completed:.4f} > target "
-                f"{cfg.epsilon:g} (spent so far: {book.epsilon_spent():.4f}). Nothing was released. The checkpoint "
+                f"{privacy.epsilon:g} (spent so far: {book.epsilon_spent():.4f}). Nothing was released. The checkpoint "
                 "cannot be finished within the budget: start again in a new out-dir (a smaller checkpoint-every "
                 "bounds what a crash costs)")
     return (f"charged {len(released)} release(s) of {span} made after the last "

@@ -29,12 +29,13 @@ def per_group_accuracy(correct: np.ndarray, groups: np.ndarray, num_groups: int)
     return [float(correct[groups == g].mean()) if np.any(groups == g) else float("nan") for g in range(num_groups)]
 
 
-def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, prediction_shift: np.ndarray | None = None,
-             batch: int = 2048) -> dict:
+def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
+             prediction_shift: np.ndarray | None = None, batch: int = 2048) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives. With group
-    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups).
+    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups). ``objective``: what
+    holds the DRO objective's keys psi, cvar_alpha and lambda_ (a Config's ``training`` section).
 
     ``prediction_shift`` (K,), when given, is added to the logits before the argmax (post-hoc logit
     adjustment, -tau log pi: Menon et al. 2021, eq. (8)); losses stay those of the unshifted logits."""
@@ -50,7 +51,7 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, cfg, predic
     pred = torch.cat(preds).numpy()
     labels = test.y.numpy()
     per_class = per_class_accuracy(pred, labels, test.num_classes)
-    dro, _ = dro_objective(loss, make_psi(cfg.psi, cfg.cvar_alpha), cfg.lambda_)
+    dro, _ = dro_objective(loss, make_psi(objective.psi, objective.cvar_alpha), objective.lambda_)
     extra = {}
     if test.groups is not None:
         per_group = per_group_accuracy(pred == labels, test.groups.numpy(), test.num_groups)

@@ -122,7 +122,7 @@ def _load_shard(cfg: Config, pid: int):
         shard = _all_local_records(cfg)
     else:
         train = load_from_config(cfg, train=True)
-        shard = train.subset(make_partition(cfg, train.y.numpy())[pid])
+        shard = train.subset(make_partition(cfg.data, train.y.numpy())[pid])
     if path is None:
         return shard
     try:

@@ -3,9 +3,9 @@
 A test sets ``$DPDRO_INJECT_FAULT`` = '<partition>:<iteration>:<kind>' before it trains: that client raises
 (kind 'raise', or 'raise-once' on the first attempt only), sends a malformed reply ('nan') or hangs ('hang') at
 that iteration; kind 'leak' makes the server keep a copy of that client's first reply of every round from that
-iteration on (the memory tests). The in-process clients and the releaser read the variable; processes that a run
-starts later (Flower's apps, a warm worker) get it through the run config or the request, under
-``RUN_CONFIG_KEY`` (``carry`` / ``adopt``). Unset, nothing is injected.
+iteration on (the memory tests). The in-process clients and the releaser read the variable; Flower's apps inherit it
+from the simulation SuperLink (launch/simulate.py restarts one started with another value); a warm worker gets it
+with each request, under ``RUN_CONFIG_KEY`` (``carry`` / ``adopt``). Unset, nothing is injected.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 ENV = "DPDRO_INJECT_FAULT"
-RUN_CONFIG_KEY = "dpdro-inject-fault"  # how the hook crosses into a process a run starts (never a Config key)
+RUN_CONFIG_KEY = "dpdro-inject-fault"  # how the hook crosses into a warm worker's request (never a Config key)
 KINDS = ("raise", "raise-once", "nan", "hang", "leak")
 
 
@@ -39,7 +39,7 @@ def active_fault() -> tuple[int, int, str] | None:
 
 
 def carry() -> dict[str, str]:
-    """{RUN_CONFIG_KEY: fault} to add to a run config or a request when this process has one, else {}."""
+    """{RUN_CONFIG_KEY: fault} to add to a warm worker's request when this process has one, else {}."""
     text = os.environ.get(ENV, "")
     return {RUN_CONFIG_KEY: text} if text else {}
 

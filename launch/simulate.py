@@ -59,7 +59,7 @@ class SimulationError(RuntimeError):
 
 def run_config_string(cfg: Config) -> str:
     """Every key as Flower's --run-config string ('key=value key2="text" ...')."""
-    return " ".join(f"{k}={toml_value(v)}" for k, v in (cfg.to_dict() | faults.carry()).items())
+    return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.to_dict().items())
 
 
 def _flwr(*args: str) -> list[str]:
@@ -82,6 +82,7 @@ class LocalSuperLink:
     flwr_home: Path
     cli_home: Path
     log: Path
+    fault: str = ""  # the test hook $DPDRO_INJECT_FAULT it was started with (its apps inherit its environment)
 
     def alive_and_ours(self) -> bool:
         """Still running and still the listener on its port."""
@@ -126,7 +127,7 @@ def start_local_superlink(flwr_home: Path, env: dict) -> LocalSuperLink:
     cli_home.mkdir(parents=True, exist_ok=True)
     (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                                           f'address = "{HOST}:{port}"\ninsecure = true\n')
-    link = LocalSuperLink(popen, port, flwr_home, cli_home, log)
+    link = LocalSuperLink(popen, port, flwr_home, cli_home, log, env.get(faults.ENV, ""))
     deadline = time.monotonic() + STARTUP_TIMEOUT
     try:
         while not _health(port):
@@ -174,7 +175,8 @@ def _our_superlink(flwr_home: Path, env: dict) -> LocalSuperLink:
     """The SuperLink this process kept, if it still runs with this FLWR_HOME and holds its port; else a new
     one (the stale one stopped)."""
     global _OURS
-    if _OURS is not None and _OURS.flwr_home == flwr_home and _OURS.alive_and_ours():
+    if (_OURS is not None and _OURS.flwr_home == flwr_home and _OURS.fault == env.get(faults.ENV, "")
+            and _OURS.alive_and_ours()):
         return _OURS
     stop_local_superlink()
     _OURS = start_local_superlink(flwr_home, env)

@@ -251,6 +251,9 @@ CORE_FIELDS: tuple[Field, ...] = (
           "or 'opacus' (Opacus' grad-sample hooks; needs opacus installed); equal up to rounding, speed differs "
           "by model and device (dpdro bench).", choices=("torch.func", "opacus"), role="runtime"),
     Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024, role="runtime"),
+    Field("tensorboard", "bool", False, "Also write every evaluation's metrics as TensorBoard scalars into "
+          "<out-dir>/tensorboard (needs the 'tensorboard' extra; view with tensorboard --logdir <out-dir>).",
+          role="runtime"),
     Field("round-timeout", "float", 600.0,
           "Seconds the server waits for a round's replies: on Flower for all nodes, in-process for each client; "
           "a client that misses it counts as failed (on-client-failure).",

@@ -1,8 +1,11 @@
 """The training engine: drives an algorithm's state machine over a transport, releases noised sums,
-charges the ledger, evaluates, checkpoints and writes the run directory.
+charges the ledger, evaluates, and writes the run directory.
 
-Its parts: ``server/releaser.py`` executes each release (failure policy, ledger, noise, event),
-``server/summary.py`` writes what a finished run reports; this module holds the training loop and resuming.
+``train`` plans a run (``server/run_plan.py``: model, algorithm, releases, calibrated noise) and trains the plan
+(``train_plan``). Its parts: ``server/releaser.py`` executes each release (failure policy, ledger, noise, event),
+``server/callbacks.py`` does everything else at fixed points of the loop (metrics.csv, progress, checkpoints, the
+model's files, TensorBoard), ``server/summary.py`` writes what a finished run reports; this module holds the
+training loop and resuming.
 
 The same function runs single-node (``LocalTransport``) and on Flower (``FlowerTransport``): that is
 what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 2-3).
@@ -10,7 +13,6 @@ what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -21,25 +23,29 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, TrainingConfig, keys_with_role
+from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, TrainingConfig, keys_with_role
 from ..common.data import ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
-from ..common.model_fix import fix_model
-from ..common.model_init import InitialModel, prepare_model
-from ..common.models import check_per_record, make_model, resolve_model, validate_model
-from ..common.per_sample import FlatModel
 from ..common.tabular_data import training_feature_names
 from ..common.transport import Transport
 from . import setup as setup_releases
-from .algorithms import make_algorithm
-from .allocation import allocate
+from .callbacks import Callback, TrainingRun, default_callbacks
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
-from .ledger import Ledger, auto_delta, calibrate, check_delta
+from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
 from .release import check_distributed
 from .releaser import Releaser
+from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, plan_run, resolve_delta: re-exported)
+    MIN_PRIVATE_RECORDS,
+    RunPlan,
+    check_groups,
+    check_records,
+    plan_run,
+    plan_training,
+    resolve_delta,
+)
 from .run_report import write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 from .summary import run_summary, software_versions
@@ -65,24 +71,6 @@ class TrainingStopped(Exception):
         self.iteration, self.iterations, self.out_dir = iteration, iterations, out_dir
 
 
-# The fewest training records a private run accepts: below 10, the default delta = 1/(10 n) is above 0.01, and
-# (epsilon, delta)-DP with such a delta is met by a mechanism that publishes the whole data set with probability
-# delta. The tests' smallest private runs use 20 to 30 records.
-MIN_PRIVATE_RECORDS = 10
-
-
-def check_records(cfg: Config, n: int) -> None:
-    """Refuse a run on ``n`` training records (public) before any work: ConfigError for n = 0, and for a private
-    run on fewer than ``MIN_PRIVATE_RECORDS``, naming n, the minimum and why."""
-    if n < 1:
-        raise ConfigError("the clients hold no training record (n = 0)")
-    if cfg.private and n < MIN_PRIVATE_RECORDS:
-        raise ConfigError(f"n = {n} training records: a private run needs at least {MIN_PRIVATE_RECORDS}. With fewer, "
-                          f"the default delta = 1/(10 n) = {auto_delta(n):.3g} is above 0.01, and (epsilon, delta)-DP "
-                          "with such a delta is met by publishing the whole data set with probability delta: add "
-                          "records (check max-train-records), or train without privacy (epsilon=inf)")
-
-
 def check_resumed_records(rd: RunDir, n: int) -> None:
     """Refuse (ResumeError, before any work) to resume a run whose clients now hold another number of training
     records than the run was planned for (config.json's ``n``): the sampling rates, delta and the checkpoint's
@@ -93,17 +81,6 @@ def check_resumed_records(rd: RunDir, n: int) -> None:
                           f"hold n = {n}: its sampling rates, delta and ledger rest on n = {saved}, so it cannot be "
                           "resumed on other data; bring back the same nodes and data, or start again in a new "
                           "out-dir")
-
-
-def resolve_delta(cfg: Config, n: int) -> float:
-    """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
-    raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
-    delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
-    if cfg.private:
-        warning = check_delta(delta, n, cfg.delta)
-        if warning:
-            log.warning("%s", warning)
-    return delta
 
 
 @dataclass
@@ -155,40 +132,22 @@ def _comparable(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in RUNTIME_KEYS}
 
 
-def check_groups(cfg: Config, num_groups: int) -> None:
-    """Refuse dro-groups=attribute on a data set that declares no group attribute (num_groups 0), before any
-    release: ConfigError naming the key, the data set and what is allowed."""
-    if cfg.attribute_groups and num_groups == 0:
-        raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
-                          "attribute (allowed: 'class', or a data set with groups such as celeba)")
-
-
-def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
-    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
-    profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
-    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles)}
-    if cfg.private:
-        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
-        noise = {m.name: m.noise_at(scale) for m in plan}
-    else:
-        noise = {m.name: 0.0 for m in plan}
-    return plan, noise, profiles
-
-
 def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool = False,
-          progress: Progress | None = None, transport_name: str = "local", module: nn.Module | None = None
-          ) -> RunResult:
-    """Run (or, with ``resume``, continue) training as configured; write the run directory, and when the run
-    finishes its model files, plots and model card (``_write_model_outputs``).
+          progress: Progress | None = None, transport_name: str = "local", module: nn.Module | None = None,
+          callbacks: list[Callback] | None = None) -> RunResult:
+    """Run (or, with ``resume``, continue) training as configured: plan it (``run_plan.plan_training``), then
+    train the plan (``train_plan``) with the default callbacks (metrics.csv, ``progress``, checkpoints, TensorBoard
+    when config key tensorboard is true, and the model's files, plots and card once it finishes) plus
+    ``callbacks``.
 
     ``module``: an untrained ``nn.Module`` to train instead of the one config key ``model`` names (the Python
     API's ``model=``); validated like every model (ModelError for layers that mix records), trained from its
     own initial parameters.
 
     Raises ConfigError for a configuration the data cannot support (e.g. too few records: ``check_records``) or an
-    out-dir that is not empty (without
-    ``resume`` or config key overwrite; ``rundir.check_out_dir``), ResumeError for an unusable checkpoint,
-    and ledger.PrivacyBudgetExceeded if a release would overspend (nothing is released then).
+    out-dir that is not empty (without ``resume`` or config key overwrite; ``rundir.check_out_dir``), ResumeError
+    for an unusable checkpoint, and ledger.PrivacyBudgetExceeded if a release would overspend (nothing is
+    released then).
     """
     progress = progress or Progress()
     check_out_dir(cfg.out_dir, resume=resume, overwrite=cfg.overwrite)  # before calibration: nothing to lose
@@ -198,42 +157,39 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     check_records(cfg, n)
     if resume:
         check_resumed_records(RunDir(cfg.out_dir), n)
-    for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
-        if batch > n:
-            raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
-    delta = resolve_delta(cfg, n)
-    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-    factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
-    input_shape = tuple(test.x.shape[1:])
-    if module is not None:  # the checks make_model runs on a registered model or an import path
-        # a copy (init-weights loads into it), BatchNorm replaced as model-fix says
-        module = validate_model(fix_model(copy.deepcopy(module), cfg.model_fix).to(dtype))
-        check_per_record(module, input_shape, test.num_classes, describe_module_class(module))
-    base = module if module is not None else make_model(factory, test.num_classes, cfg.seed, dtype, input_shape,
-                                                        cfg.model_fix)
-    initial = prepare_model(base, cfg.init_weights, cfg.trainable)  # before calibration: dim is the trainable count
-    model = FlatModel(base)
-    check_groups(cfg, test.num_groups)
-    algo = make_algorithm(cfg, n, model.dim, test.num_classes, test.num_groups)
+    plan = plan_training(cfg, n, test.num_classes, test.num_groups, tuple(test.x.shape[1:]), module)
+    everything = [*default_callbacks(cfg, progress), *(callbacks or [])]  # before any work: a missing TensorBoard
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
     elif cfg.noise_from_saved_seed:
         log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
                     "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
-    plan, noise, profiles = plan_run(cfg, algo, n, delta)
     if cfg.private and cfg.noise_mode == "distributed":
-        for warning in check_distributed(cfg, noise, transport.largest_shard):
+        for warning in check_distributed(cfg, plan.noise, transport.largest_shard):
             log.warning("%s", warning)
-    ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
-    _note(progress, plan_line(n, delta, noise))
-    for warning in algo.regime_warnings(noise):
+    _note(progress, plan_line(n, plan.delta, plan.noise))
+    for warning in plan.algo.regime_warnings(plan.noise):
         log.warning("%s", warning)
+    return train_plan(plan, transport, test, everything, resume=resume, transport_name=transport_name,
+                      progress=progress)
 
+
+def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callbacks: list[Callback], *,
+               resume: bool = False, transport_name: str = "local", progress: Progress | None = None) -> RunResult:
+    """Train ``plan`` over ``transport``, evaluating on ``test``: create the run directory, make the setup releases
+    (or resume from the checkpoint), then release and update until the plan's last iteration, calling
+    ``callbacks`` (server/callbacks.py: ``default_callbacks`` for what every run writes) at each point; write
+    summary.json and final_params.npy. ``progress`` receives the note of a resumed run's charged releases.
+
+    Raises ResumeError for an unusable checkpoint, ledger.PrivacyBudgetExceeded if a release would overspend
+    (nothing is released then) and TrainingStopped when a callback asked to stop (after a checkpoint)."""
+    cfg, algo, n, delta, noise = plan.cfg, plan.algo, plan.n, plan.delta, plan.noise
+    progress = progress or Progress()
+    ledger = Ledger(plan.releases, noise, cfg.epsilon, delta, cfg.accountant)
     rd = RunDir(cfg.out_dir)
     rd.create()
     facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions()), strict=True))
-    meta_config = {**cfg.to_dict(), **facts}
-    x0 = model.initial().double().numpy()
+    x0 = plan.model.initial().double().numpy()
     releaser = Releaser(cfg, transport, ledger, n, rd)
     rows: list[dict] = []
     wall_before = 0.0
@@ -242,7 +198,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         state, rows, wall_before, setup, lost = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
     else:
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
-        write_json(rd.config, meta_config)
+        write_json(rd.config, {**cfg.to_dict(), **facts})
         setup = setup_releases.initial(cfg, test.num_classes)
         for stage in setup_releases.stages(cfg, test.num_classes, test.num_groups):
             releaser.offset = setup.offset(cfg.tau)
@@ -250,90 +206,98 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
     prediction_shift = _prediction_shift(cfg.training, setup)
-
-    def wall() -> float:
-        return wall_before + time.perf_counter() - start
-
-    def checkpoint() -> None:
-        arrays, scalars = state.to_arrays()
-        rd.save_checkpoint(arrays, {"config": cfg.to_dict(), "state": scalars, "ledger": ledger.state(),
-                                    "metrics": rows, "wall_seconds": wall(), "noise": noise,
-                                    "setup": setup.to_json(), "server_view": releaser.server_ledger.state(),
-                                    "noise_monitor": releaser.monitor.state(), "events_covered": rd.event_count(),
-                                    "init_weights_sha256": initial.sha256})
+    run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
+                      wall=lambda: wall_before + time.perf_counter() - start)
 
     def eval_row() -> dict:
-        x, _ = algo.output(state)
-        metrics = evaluate(model, x, test, cfg.training, prediction_shift)
+        x, _ = algo.output(run.state)
+        metrics = evaluate(plan.model, x, test, cfg.training, prediction_shift)
         losses = metrics.pop("losses")
-        return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
-                **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
-                "wall_seconds": wall(), "server_rss_mb": rss_mb(), "server_heap_mb": heap_mb()}
+        return {"iteration": run.state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
+                **algo.eval_extras(run.state, losses), **algo.diagnostics(run.state),
+                **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
+                "server_heap_mb": heap_mb()}
 
-    if resume:  # what the releases so far left behind in the releaser (absent from checkpoints before 21.10)
-        saved = rd.load_checkpoint()[1]
-        if saved.get("init_weights_sha256", initial.sha256) != initial.sha256:
-            raise ResumeError(f"config key 'init-weights': {cfg.init_weights} now has sha256 {initial.sha256}; the "
-                              f"checkpoint in {rd.path} started from a file with sha256 "
-                              f"{saved['init_weights_sha256']}: resume with that file")
-        seen = saved.get("server_view", [])
-        # checkpoints before the server view was a Ledger hold only its (rate, z) counts
-        releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
-        releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
-        charged = charge_lost_releases(lost, ledger, releaser.server_ledger, cfg.privacy, state.t)
-        if charged:
-            log.warning("%s", charged)
-            progress.on_note(charged)
-        _note(progress, f"resuming {rd.path} at iteration {state.t} of {cfg.iterations} (epsilon spent so far "
-                        f"{ledger.epsilon_spent():.4f})")
-    progress.on_start(state.t)
-    if not rows:
+    def evaluated() -> None:
         rows.append(eval_row())
-        rd.write_metrics(rows)
-        progress.on_eval(rows[-1])
-    while state.t < cfg.iterations:
-        t_before = state.t
-        released = releaser.run(algo.queries(state), algo.versions(state))
-        state = algo.advance(state, released)  # apply() under the step-size warm-up
-        if state.t == t_before:
-            continue
-        progress.on_step(state.t)
-        done = state.t >= cfg.iterations
-        if state.t % cfg.eval_every == 0 or done:
-            rows.append(eval_row())
-            rd.write_metrics(rows)
-            progress.on_eval(rows[-1])
-        stop = not done and progress.stop_requested()
-        # also after the first iteration: a run stopped early leaves a resumable directory
-        if done or stop or state.t == 1 or (cfg.checkpoint_every and state.t % cfg.checkpoint_every == 0):
-            checkpoint()
-        if stop:
-            raise TrainingStopped(state.t, cfg.iterations, str(rd.path))
+        for cb in callbacks:
+            cb.on_eval(run, rows[-1])
 
-    releaser.monitor.close()
-    spider = releaser.monitor.summary()
-    if spider["phases_noise_dominated"]:
-        log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
-                    "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise diff-batch",
-                    spider["phases_noise_dominated"], spider["phases"])
-    final = rows[-1]
-    x, _ = algo.output(state)
-    summary = run_summary(cfg, n=n, delta=delta, plan=plan, noise=noise, profiles=profiles, ledger=ledger,
-                          releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
-                          transport_name=transport_name, skipped_files=test.skipped_files,
-                          initial_model=initial.facts())
-    write_json(rd.summary, summary)
-    np.save(rd.path / "final_params.npy", x)
-    _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows, initial)
-    return RunResult(params=x, summary=summary, metrics=rows)
+    try:
+        if resume:
+            _restore_releaser(run, lost, progress)
+        for cb in callbacks:
+            cb.on_start(run)
+        if not rows:
+            evaluated()
+        while run.state.t < cfg.iterations:
+            t_before = run.state.t
+            released = releaser.run(algo.queries(run.state), algo.versions(run.state))
+            run.state = algo.advance(run.state, released)  # apply() under the step-size warm-up
+            if run.state.t == t_before:
+                continue
+            for cb in callbacks:
+                cb.on_step(run)
+            done = run.state.t >= cfg.iterations
+            if run.state.t % cfg.eval_every == 0 or done:
+                evaluated()
+            stop = not done and any([cb.stop_requested(run) for cb in callbacks])
+            for cb in callbacks:
+                cb.on_iteration_end(run, done, stop)
+            if stop:
+                raise TrainingStopped(run.state.t, cfg.iterations, str(rd.path))
+
+        releaser.monitor.close()
+        spider = releaser.monitor.summary()
+        if spider["phases_noise_dominated"]:
+            log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
+                        "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise "
+                        "diff-batch", spider["phases_noise_dominated"], spider["phases"])
+        run.params, _ = algo.output(run.state)
+        run.summary = run_summary(cfg, n=n, delta=delta, plan=plan.releases, noise=noise, profiles=plan.profiles,
+                                  ledger=ledger, releaser=releaser, final=rows[-1], setup=setup, spider=spider,
+                                  wall_seconds=run.wall(), transport_name=transport_name,
+                                  skipped_files=test.skipped_files, initial_model=plan.initial.facts())
+        write_json(rd.summary, run.summary)
+        np.save(rd.path / "final_params.npy", run.params)
+        for cb in callbacks:
+            cb.on_end(run)
+    finally:
+        for cb in callbacks:
+            cb.close()
+    return RunResult(params=run.params, summary=run.summary, metrics=rows)
 
 
-def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str | None, x: np.ndarray,
-                         test: ArrayDataset, setup, summary: dict, rows: list[dict], initial: InitialModel) -> None:
+def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) -> None:
+    """What the releases so far left behind in the releaser of a resumed run (its server view and noise monitor),
+    and the charge of the releases made after the checkpoint (``charge_lost_releases``)."""
+    cfg, rd, releaser = run.cfg, run.rd, run.releaser
+    saved = rd.load_checkpoint()[1]
+    initial = run.plan.initial
+    if saved.get("init_weights_sha256", initial.sha256) != initial.sha256:
+        raise ResumeError(f"config key 'init-weights': {cfg.init_weights} now has sha256 {initial.sha256}; the "
+                          f"checkpoint in {rd.path} started from a file with sha256 "
+                          f"{saved['init_weights_sha256']}: resume with that file")
+    seen = saved.get("server_view", [])
+    # checkpoints before the server view was a Ledger hold only its (rate, z) counts
+    releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
+    releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
+    charged = charge_lost_releases(lost, releaser.ledger, releaser.server_ledger, cfg.privacy, run.state.t)
+    if charged:
+        log.warning("%s", charged)
+        progress.on_note(charged)
+    _note(progress, f"resuming {rd.path} at iteration {run.state.t} of {cfg.iterations} (epsilon spent so far "
+                    f"{releaser.ledger.epsilon_spent():.4f})")
+
+
+def write_model_outputs(run: TrainingRun) -> None:
     """model.pt and model.json (server/model_files.py), plots/ and MODEL_CARD.md (server/run_report.py) of a
-    finished run: post-processing of the released iterate ``x`` (d,) of the trainable parameters (the frozen ones,
-    from ``initial``'s preparation, are saved as the module holds them) and of the reported metrics."""
-    params = model.unflatten(torch.as_tensor(x).to(model.dtype))
+    finished run: post-processing of the released iterate ``run.params`` (d,) of the trainable parameters (the
+    frozen ones, from the plan's initial preparation, are saved as the module holds them) and of the reported
+    metrics."""
+    cfg, rd, test, setup, summary, rows = run.cfg, run.rd, run.test, run.setup, run.summary, run.rows
+    model, factory, initial = run.plan.model, run.plan.factory, run.plan.initial
+    params = model.unflatten(torch.as_tensor(run.params).to(model.dtype))
     shift = _prediction_shift(cfg.training, setup)
     named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
     classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]

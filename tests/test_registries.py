@@ -92,7 +92,7 @@ def test_every_key_has_one_role_and_the_derived_key_lists():
     # a resumed run may change exactly these (they change how it runs, not what it computes)
     assert set(RUNTIME_KEYS) == {"resume", "overwrite", "out-dir", "threads", "round-timeout", "eval-every",
                                  "checkpoint-every", "chunk-size", "on-client-failure", "max-retries", "min-clients",
-                                 "per-record-engine"}
+                                 "per-record-engine", "tensorboard"}
     # every key that decides which records a node holds is in the client's shard-cache key
     assert {"dataset", "data-root", "cache-dir", "download", "imbalance-ratio", "split-seed", "max-train-records",
             "validation-fraction", "num-clients", "partition", "dirichlet-alpha", "seed"} <= set(DATA_KEYS)

@@ -1,0 +1,127 @@
+"""A run's plan: everything decided before the first release, and the checks that refuse a run before any work.
+
+``plan_training`` builds a ``RunPlan`` (the model to train and its initial parameters, the algorithm with its
+problem, every release with its count and sampling rate, and the noise multipliers calibrated to the target) from a
+configuration and the public facts of the data (n, classes, groups, input shape). ``server/engine.py`` trains a
+plan; nothing here releases anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..common.config import AUTO, Config, ConfigError
+from ..common.model_fix import fix_model
+from ..common.model_init import InitialModel, prepare_model
+from ..common.models import check_per_record, make_model, resolve_model, validate_model
+from ..common.per_sample import FlatModel
+from . import setup as setup_releases
+from .algorithms import Algorithm, make_algorithm
+from .allocation import allocate
+from .ledger import Mechanism, auto_delta, calibrate, check_delta
+from .model_files import describe_module_class
+
+log = logging.getLogger(__name__)
+
+# The fewest training records a private run accepts: below 10, the default delta = 1/(10 n) is above 0.01, and
+# (epsilon, delta)-DP with such a delta is met by a mechanism that publishes the whole data set with probability
+# delta. The tests' smallest private runs use 20 to 30 records.
+MIN_PRIVATE_RECORDS = 10
+
+
+def check_records(cfg: Config, n: int) -> None:
+    """Refuse a run on ``n`` training records (public) before any work: ConfigError for n = 0, and for a private
+    run on fewer than ``MIN_PRIVATE_RECORDS``, naming n, the minimum and why."""
+    if n < 1:
+        raise ConfigError("the clients hold no training record (n = 0)")
+    if cfg.private and n < MIN_PRIVATE_RECORDS:
+        raise ConfigError(f"n = {n} training records: a private run needs at least {MIN_PRIVATE_RECORDS}. With fewer, "
+                          f"the default delta = 1/(10 n) = {auto_delta(n):.3g} is above 0.01, and (epsilon, delta)-DP "
+                          "with such a delta is met by publishing the whole data set with probability delta: add "
+                          "records (check max-train-records), or train without privacy (epsilon=inf)")
+
+
+def resolve_delta(cfg: Config, n: int) -> float:
+    """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
+    raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
+    delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
+    if cfg.private:
+        warning = check_delta(delta, n, cfg.delta)
+        if warning:
+            log.warning("%s", warning)
+    return delta
+
+
+def check_groups(cfg: Config, num_groups: int) -> None:
+    """Refuse dro-groups=attribute on a data set that declares no group attribute (num_groups 0), before any
+    release: ConfigError naming the key, the data set and what is allowed."""
+    if cfg.attribute_groups and num_groups == 0:
+        raise ConfigError(f"config key 'dro-groups': got 'attribute'; data set {cfg.dataset!r} declares no group "
+                          "attribute (allowed: 'class', or a data set with groups such as celeba)")
+
+
+def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
+    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
+    profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
+    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles)}
+    if cfg.private:
+        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
+        noise = {m.name: m.noise_at(scale) for m in plan}
+    else:
+        noise = {m.name: 0.0 for m in plan}
+    return plan, noise, profiles
+
+
+@dataclass
+class RunPlan:
+    """What ``plan_training`` decided: ``n`` training records (public), the resolved ``delta``, the ``model`` to
+    train (a FlatModel over the trainable parameters, dimension ``model.dim``) with its registry ``factory`` (None
+    for a module given in Python) and ``initial`` preparation (init-weights, trainable), the ``algo`` state
+    machine, ``releases`` (Mechanism -> count, the setup releases included), ``noise`` (mechanism name ->
+    calibrated noise multiplier; all 0 when epsilon = inf) and the noise ``profiles`` of the variance allocation
+    (None for noise-allocation=ratios)."""
+
+    cfg: Config
+    n: int
+    delta: float
+    model: FlatModel
+    factory: str | None
+    initial: InitialModel
+    algo: Algorithm
+    releases: dict[Mechanism, int]
+    noise: dict[str, float]
+    profiles: dict | None
+
+
+def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_shape: tuple[int, ...],
+                  module: nn.Module | None = None) -> RunPlan:
+    """Plan a run of ``cfg`` on ``n`` training records with ``num_classes`` classes, ``num_groups`` declared groups
+    (0: none) and records of shape ``input_shape``: check the batches against n, resolve delta, build the model
+    (``module``: an untrained nn.Module given in Python instead of config key ``model``, validated like every model
+    and copied), the algorithm, and calibrate the noise of every release to the target.
+
+    Raises ConfigError for a batch above n, a bad delta, dro-groups=attribute without groups or a model that cannot
+    be built (ModelError for layers that mix records); checks nothing of the run directory."""
+    for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
+        if batch > n:
+            raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
+    delta = resolve_delta(cfg, n)
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+    factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
+    if module is not None:  # the checks make_model runs on a registered model or an import path
+        # a copy (init-weights loads into it), BatchNorm replaced as model-fix says
+        module = validate_model(fix_model(copy.deepcopy(module), cfg.model_fix).to(dtype))
+        check_per_record(module, input_shape, num_classes, describe_module_class(module))
+    base = module if module is not None else make_model(factory, num_classes, cfg.seed, dtype, input_shape,
+                                                        cfg.model_fix)
+    initial = prepare_model(base, cfg.init_weights, cfg.trainable)  # before calibration: dim is the trainable count
+    model = FlatModel(base)
+    check_groups(cfg, num_groups)
+    algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
+    releases, noise, profiles = plan_run(cfg, algo, n, delta)
+    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles)

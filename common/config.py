@@ -448,6 +448,13 @@ class Config:
         """Kebab-case mapping of every key (JSON- and TOML-friendly; inf stays a float)."""
         return dict(self._values)
 
+    def scaled(self, values: Mapping[str, Any]) -> Config:
+        """A copy with some values changed by attribute name (``lr_x``), not validated again: for values derived
+        within a run from valid ones (the warm-up's scaled step sizes, server/algorithms/base.py). KeyError for
+        an unknown attribute."""
+        by_attr = {f.attr: f.key for f in fields()}
+        return Config({**self._values, **{by_attr[a]: v for a, v in values.items()}}, _validated=True)
+
 
     @property
     def private(self) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..common.config import Config, ConfigError
+from .model_export import write_model_outputs
 
 if TYPE_CHECKING:
     from ..common.data import ArrayDataset
@@ -131,11 +132,9 @@ def write_checkpoint(run: TrainingRun) -> None:
 
 
 class ModelExport(Callback):
-    """A finished run's model.pt, model.json, plots/ and MODEL_CARD.md (``engine.write_model_outputs``)."""
+    """A finished run's model.pt, model.json, plots/ and MODEL_CARD.md (``model_export.write_model_outputs``)."""
 
     def on_end(self, run: TrainingRun) -> None:
-        from .engine import write_model_outputs
-
         write_model_outputs(run)
 
 

@@ -23,10 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, TrainingConfig, keys_with_role
-from ..common.data import ArrayDataset, resolve_data_root
-from ..common.data_types import declared_classes
-from ..common.tabular_data import training_feature_names
+from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, keys_with_role
+from ..common.data import ArrayDataset
 from ..common.transport import Transport
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
@@ -34,7 +32,7 @@ from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger
 from .memory import heap_mb, rss_mb
-from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
+from .model_export import prediction_shift
 from .release import check_distributed
 from .releaser import Releaser
 from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, plan_run, resolve_delta: re-exported)
@@ -46,7 +44,6 @@ from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, plan_
     plan_training,
     resolve_delta,
 )
-from .run_report import write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 from .summary import run_summary, software_versions
 
@@ -205,13 +202,13 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
             setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
-    prediction_shift = _prediction_shift(cfg.training, setup)
+    shift = prediction_shift(cfg.training, setup)
     run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
                       wall=lambda: wall_before + time.perf_counter() - start)
 
     def eval_row() -> dict:
         x, _ = algo.output(run.state)
-        metrics = evaluate(plan.model, x, test, cfg.training, prediction_shift)
+        metrics = evaluate(plan.model, x, test, cfg.training, shift)
         losses = metrics.pop("losses")
         return {"iteration": run.state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
                 **algo.eval_extras(run.state, losses), **algo.diagnostics(run.state),
@@ -288,46 +285,6 @@ def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) ->
         progress.on_note(charged)
     _note(progress, f"resuming {rd.path} at iteration {run.state.t} of {cfg.iterations} (epsilon spent so far "
                     f"{releaser.ledger.epsilon_spent():.4f})")
-
-
-def write_model_outputs(run: TrainingRun) -> None:
-    """model.pt and model.json (server/model_files.py), plots/ and MODEL_CARD.md (server/run_report.py) of a
-    finished run: post-processing of the released iterate ``run.params`` (d,) of the trainable parameters (the
-    frozen ones, from the plan's initial preparation, are saved as the module holds them) and of the reported
-    metrics."""
-    cfg, rd, test, setup, summary, rows = run.cfg, run.rd, run.test, run.setup, run.summary, run.rows
-    model, factory, initial = run.plan.model, run.plan.factory, run.plan.initial
-    params = model.unflatten(torch.as_tensor(run.params).to(model.dtype))
-    shift = _prediction_shift(cfg.training, setup)
-    named = list(test.class_names) or declared_classes(cfg.classes)  # user data: names in label order
-    classes = named if len(named) == test.num_classes else [str(k) for k in range(test.num_classes)]
-    meta = {"factory": factory, "module_class": describe_module_class(model.module), "model_fix": cfg.model_fix,
-            "num_classes": test.num_classes, "classes": classes, "input_shape": list(test.x.shape[1:]),
-            "dtype": cfg.dtype, **initial.facts(), "dataset": cfg.dataset, "data": test.name,
-            "input_scaling": input_scaling(test.name, cfg.to_dict()),
-            # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
-            # and scaling, class order): what scoring new records by hand needs
-            "preprocessing": {k: v for k, v in cfg.to_dict().items()
-                              if k.startswith(("csv-", "image-")) or k == "classes"},
-            "priors": list(setup.priors) if setup.priors is not None else None, "posthoc_tau": cfg.posthoc_tau,
-            "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
-            "eval_split": cfg.eval_split, "algorithm": cfg.algorithm,
-            "private": cfg.private and not cfg.noise_from_saved_seed,
-            "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"]}
-    if cfg.dataset == "csv":  # the training file's feature columns in input order: other files are read by name
-        names = training_feature_names(resolve_data_root(cfg.data_root), cfg.to_dict())
-        if names is not None and len(names) == int(test.x.shape[1]):
-            meta["feature_names"] = names
-    write_model_files(rd.path, state_dict_at(model.module, params), meta)
-    plots = write_run_plots(rd.path, rows, summary, classes)
-    write_model_card(rd.path, summary, meta, plots)
-
-
-def _prediction_shift(training: TrainingConfig, setup) -> np.ndarray | None:
-    """-posthoc_tau log(pi) (K,), added to the logits at prediction (post-hoc logit adjustment), or None."""
-    if training.posthoc_tau == 0 or setup.priors is None:
-        return None
-    return -training.posthoc_tau * np.log(np.asarray(setup.priors))
 
 
 def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):

@@ -167,7 +167,7 @@ class Algorithm(ABC):
         # apply() reads its step sizes from self.cfg: swap in a copy with scaled steps for this one call
         base = self.cfg
         attrs = [k.replace("-", "_") for k in STEP_SIZE_KEYS]
-        self.cfg = dataclasses.replace(base, **{a: getattr(base, a) * factor for a in attrs})
+        self.cfg = base.scaled({a: getattr(base, a) * factor for a in attrs})
         try:
             yield
         finally:

@@ -324,3 +324,16 @@ def test_an_algorithm_cannot_redeclare_a_key():
             fields()
     finally:
         ALGORITHM_SPECS.pop("toy-eps")
+
+
+def test_an_old_run_directory_config_still_loads(tmp_path):
+    """config.json of a run written before the retired key inject-fault left the schema and before tensorboard
+    existed: --resume reads it as the same configuration."""
+    import json
+
+    from dpdro.server.engine import load_run_config
+
+    old = {k: v for k, v in Config.from_mapping({"q": 3}).to_dict().items() if k != "tensorboard"}
+    saved = {**old, "inject-fault": "", "delta_resolved": 1e-5, "n": 10_000, "transport": "local", "versions": {}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(str(tmp_path)) == Config.from_mapping({"q": 3, "overwrite": False})

@@ -76,6 +76,7 @@ def test_cuda_without_a_gpu_is_a_config_error_before_any_work(small_config, tmp_
     from dpdro import cli
     from dpdro.client.worker import ShardWorker
     from dpdro.common import data
+    from dpdro.launch import local  # noqa: F401  (imported before the patch: it binds load_from_config at import)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine has none; a GPU one too
     monkeypatch.setattr(data, "load_from_config", lambda *a, **k: pytest.fail("data loaded before the check"))

@@ -177,7 +177,7 @@ def test_bad_inject_fault_is_a_config_error():
 # keeps a loose one for what the heap does not see (Python's small-object arenas). The old test bounded the
 # untrimmed RSS by 25 MiB and was flaky: glibc's per-thread arenas made the Flower server's RSS move in ~19 MiB
 # steps without any leak (58 MiB from iteration 40 to 120 in one run; 23 MiB trimmed).
-# the test-only leak of one client's reply (26k float64, 0.2 MiB) per round
+# The test-only leak of one client's reply (26k float64, 0.2 MiB) per round
 # (inject-fault kind 'leak') adds 0.2-0.4 MiB per iteration.
 HEAP_GROWTH_BOUND_MB = 8.0
 RSS_GROWTH_BOUND_MB = 40.0

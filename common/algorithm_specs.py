@@ -120,7 +120,8 @@ _BETA = FloatRange(0.01, 1.0, log=True)  # STORM weight / the group losses' aver
 # since the average is bias-corrected (a running mean at first) and the allocation counts it (ALGORITHMS.md 3.3)
 # How the budget is split between a method's releases (server/allocation.py): the variance rule, or the declared
 # ratios (eta-/s-noise-ratio 2; dp-sgda: equal multipliers). A lever of every method with two kinds of release:
-# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10 (README).
+# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10
+# (docs/research/long-tailed.md).
 _ALLOCATION = Choice(("variance", "ratios"))
 # The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
 _WARMUP = IntRange(0, 200, step=25)
@@ -138,7 +139,7 @@ def _levers(lr_x: FloatRange, tau: FloatRange | None = _TAU) -> dict[str, Search
 _SPIDER = {"clip-diff-max": 0.15, "eta-init-source": "private-mean-loss"}
 _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-source", "eta-init-noise-multiplier")
 
-# ---- the built-in algorithms (docs/ALGORITHMS.md) ----
+# ---- the built-in algorithms (docs/explanation/ALGORITHMS.md) ----
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
@@ -148,9 +149,10 @@ declare_algorithm(AlgorithmSpec(
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
-    # The search runs at dro-level=group (ALGORITHMS.md 3.3): the record level's searches (docs/TUNING.md, earlier
-    # rounds) reached worst-class 0.02 at best, and half of a joint search's trials went to it. lr-eta is inert at the
-    # group level (eta is solved exactly), so it is not searched; the divergence's centre is.
+    # The search runs at dro-level=group (ALGORITHMS.md 3.3): the record level's searches
+    # (docs/research/TUNING.md, earlier rounds) reached worst-class 0.02 at best, and half of a joint search's
+    # trials went to it. lr-eta is inert at the group level (eta is solved exactly), so it is not searched; the
+    # divergence's centre is.
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "psi": Choice(("chi2", "kl")),
            "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "dro-reference": _DRO_REFERENCE, "beta": _BETA,
            "noise-allocation": _ALLOCATION},

@@ -588,7 +588,7 @@ register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "cnn32", long_ta
                                            keys=("imbalance-ratio",)))
 register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
-# ---- user data (README "Your own data"): classes from the files or config key 'classes' ----
+# ---- user data (docs/how-to/own-data.md): classes from the files or config key 'classes' ----
 register_dataset("image-folder", DatasetSpec(image_folder.load, 0, "convnet", keys=image_folder.KEYS,
                                              with_options=True, check=image_folder.check_options,
                                              fingerprint=image_folder.fingerprint))

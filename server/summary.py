@@ -1,5 +1,5 @@
 """What a finished run reports: the summary.json of a run directory, with the trust statement (who its epsilon
-holds against) and the list of what is not privacy-accounted (README: 'What is private')."""
+holds against) and the list of what is not privacy-accounted (docs/explanation/privacy.md)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
 
 
 def trust_statement(cfg: Config, transport_name: str) -> str:
-    """Who the epsilon of this run holds against (README: noise modes)."""
+    """Who the epsilon of this run holds against (docs/explanation/privacy.md, 'Noise mode')."""
     if not cfg.private:
         return "not private: no noise anywhere"
     if cfg.noise_from_saved_seed:
@@ -78,7 +78,7 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
 
 
 def not_accounted(cfg: Config, setup) -> list[str]:
-    """What this run's epsilon does not cover (README: 'What is private'), one sentence each; ``setup`` gives the
+    """What this run's epsilon does not cover (docs/explanation/privacy.md), one sentence each; ``setup`` gives the
     prior source. Includes each choice that config key chosen-on-private-data says was made on private records."""
     out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
     if cfg.noise_from_saved_seed:
@@ -98,7 +98,7 @@ def not_accounted(cfg: Config, setup) -> list[str]:
                    "reported per release) is not modelled by the Gaussian accounting")
     # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
     # client) keeps them the same in neighbouring data sets (server/ledger.py)
-    if cfg.private:  # assumptions every private run makes (README, 'What is private')
+    if cfg.private:  # assumptions every private run makes (docs/explanation/privacy.md)
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
                 "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
@@ -111,7 +111,7 @@ def not_accounted(cfg: Config, setup) -> list[str]:
 # What not_accounted says for each item of config key chosen-on-private-data (common.config.CHOSEN_ON_PRIVATE).
 CHOSEN_ON_PRIVATE_TEXT = {
     "hyper-parameters": "hyper-parameters chosen on a validation split of the private training records (a search "
-                        "such as dpdro tune, whose trials docs/TUNING.md lists): not accounted",
+                        "such as dpdro tune, whose trials docs/research/TUNING.md lists): not accounted",
     "model": "the method or model kept, among several trained, for its metrics on a validation split of the private "
              "training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "

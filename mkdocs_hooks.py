@@ -71,8 +71,7 @@ def cli_page() -> str:
         root = build_parser()
         lines = ["# Command line", "",
                  "Every `dpdro` command with the help it prints (`dpdro COMMAND --help`), generated from the "
-                 "command line's own parser (`dpdro/cli.py`) when the site is built. Exit status: 0 on success, 2 "
-                 "for a configuration or data error (one line on stderr), 1 otherwise.", ""]
+                 "command line's own parser (`dpdro.cli.build_parser`) when the site is built.", ""]
 
         def add(parser: argparse.ArgumentParser, words: list[str], summary: str) -> None:
             name = " ".join(words)

@@ -75,7 +75,7 @@ def cli_page() -> str:
 
         def add(parser: argparse.ArgumentParser, words: list[str], summary: str) -> None:
             name = " ".join(words)
-            lines.extend([f"## `{name}`", ""] if len(words) > 1 else [])
+            lines.extend([f"{'#' * len(words)} `{name}`", ""] if len(words) > 1 else [])  # lab tune: ###
             if summary:
                 lines.extend([summary[0].upper() + summary[1:] + ".", ""])
             lines.extend(["```text", parser.format_help().rstrip(), "```", ""])

@@ -602,12 +602,10 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if not self.lambda0 <= self.lambda_init <= self.lambda_max:
             raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
                               f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")
-        if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
-            raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
-        if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
-            raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
+        if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)
+            from .batches import refuse_batches_above  # late: batches.py imports this module
+
+            refuse_batches_above(self, self.max_train_records, f"max-train-records ({self.max_train_records})")
         from .data import DATASETS  # late: data.py imports this module
 
         try:  # an import path is imported here: its error before any work

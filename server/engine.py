@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.batches import follow_n
-from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
+from ..common.batches import fitted_to_n, over_n
+from ..common.config import AUTO, FIELD_BY_KEY, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.model_fix import fix_model
@@ -97,6 +97,17 @@ def check_resumed_records(rd: RunDir, n: int) -> None:
                           f"hold n = {n}: its sampling rates, delta and ledger rest on n = {saved}, so it cannot be "
                           "resumed on other data; bring back the same nodes and data, or start again in a new "
                           "out-dir")
+
+
+def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
+    """(``cfg`` with every batch key the algorithm reads left at a default above n fitted to n, one note per key
+    fitted; common/batches.py). Raises ConfigError naming every batch key set above n, with suggested values."""
+    values = cfg.to_dict()
+    problem = over_n(values, {k: f.default for k, f in FIELD_BY_KEY.items()}, n, f"n = {n} training records")
+    if problem:
+        raise ConfigError(problem)
+    fitted, notes = fitted_to_n(values, n)
+    return (cfg.with_updates(fitted) if fitted else cfg), notes
 
 
 def resolve_delta(cfg: Config, n: int) -> float:

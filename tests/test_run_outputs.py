@@ -203,7 +203,7 @@ def test_a_finished_run_records_the_slope_and_the_note(runs):
 # ---- batch sizes follow n ----
 
 def test_default_batches_follow_n_and_set_ones_are_refused_all_at_once():
-    from dpdro.common.batches import follow_n
+    from dpdro.server.engine import follow_n
 
     cfg = Config.from_mapping({"algorithm": "dp-double-spider"})  # defaults 1024 and 512
     fitted, notes = follow_n(cfg, 480)

@@ -244,6 +244,20 @@ def test_a_missing_dpdro_data_root_is_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_folder_read_is_the_cache_when_auto_falls_back_to_it(tmp_path, monkeypatch):
+    from test_files import write_mnist
+
+    from dpdro.common.data import load_dataset
+
+    cache = write_mnist(tmp_path / "cache")
+    (tmp_path / "source").mkdir()  # exists, holds no MNIST: data-root=auto falls back to the cache's copies
+    monkeypatch.setenv("DPDRO_DATA_ROOT", str(tmp_path / "source"))
+    monkeypatch.setenv("DPDRO_CACHE_DIR", str(cache))
+    assert load_dataset("mnist", False).source == str(cache.resolve())
+    source = write_mnist(tmp_path / "source")
+    assert load_dataset("mnist", False).source == str(source.resolve())
+
+
 def test_config_json_records_the_folder_read(runs):
     from dpdro.common.data import resolve_data_root
 

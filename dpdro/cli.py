@@ -336,7 +336,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
-    from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
+    from dpdro.server.engine import check_groups, check_records, follow_n, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
     from dpdro.server.release import check_distributed
 
@@ -345,6 +345,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     transport = LocalTransport(cfg, train_set)
     n = transport.num_records
     check_records(cfg, n)
+    cfg, fitted = follow_n(cfg, n)  # the batches the run would use
+    for text in fitted:
+        print(text)
     module = make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                         input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)
     prepare_model(module, cfg.init_weights, cfg.trainable)  # the ledger's dimension: the trainable parameters

@@ -1,4 +1,4 @@
-"""Containers for real (issue 27): build the image from ./Dockerfile with podman, bring up compose.yaml (TLS SuperLink
+"""Containers for real: build the image from ./Dockerfile with podman, bring up compose.yaml (TLS SuperLink
 with SuperNode authentication, the Fleet-only gateway, 2 SuperNodes each with its own data folder, their executors)
 and run the main job's configuration (simulations/configs/main.toml) for 2 iterations on 4,000 MNIST-ST records
 through `flwr run`.

@@ -1,4 +1,4 @@
-"""A model you can use (issue 24 items 1 and 5): every run writes model.pt + model.json (loadable into a fresh
+"""A model you can use: every run writes model.pt + model.json (loadable into a fresh
 model), MODEL_CARD.md and plots; ``dpdro predict`` on the test split repeats the run's reported accuracy
 exactly; ``dpdro evaluate`` prints accuracy and worst-class accuracy and writes a confusion matrix; the Python
 API ``dpdro.fit`` gives the same parameters as ``dpdro train`` for the same keys and seed.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
+from .batches import over_n
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
@@ -603,12 +604,11 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if not self.lambda0 <= self.lambda_init <= self.lambda_max:
             raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
                               f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")
-        if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
-            raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
-        if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
-            raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
+        if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)
+            problem = over_n(self.to_dict(), {k: f.default for k, f in FIELD_BY_KEY.items()},
+                             self.max_train_records, f"max-train-records ({self.max_train_records})")
+            if problem:
+                raise ConfigError(problem)
         from .data import DATASETS  # late: data.py imports this module
 
         try:  # an import path is imported here: its error before any work

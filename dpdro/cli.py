@@ -191,7 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 130
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
             print(_stopped_message(cfg.out_dir), file=sys.stderr)
-            return 130
+            return 130  # main() leaves with os._exit if a client thread was interrupted mid-round
     _print_summary(result.summary, cfg.out_dir, resumed=bool(args.resume))
     return 0
 
@@ -336,7 +336,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
-    from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
+    from dpdro.server.engine import check_groups, check_records, follow_n, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
     from dpdro.server.release import check_distributed
 
@@ -345,6 +345,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     transport = LocalTransport(cfg, train_set)
     n = transport.num_records
     check_records(cfg, n)
+    cfg, fitted = follow_n(cfg, n)  # the batches the run would use
+    for text in fitted:
+        print(text)
     module = make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                         input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)
     prepare_model(module, cfg.init_weights, cfg.trainable)  # the ledger's dimension: the trainable parameters
@@ -384,6 +387,8 @@ def _print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
           f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _STARTED:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")
+    if s.get("worst_still_rising"):  # server/convergence.py: worth training longer
+        print(f"note: {s['worst_still_rising']}")
 
 
 def _own_children():
@@ -862,14 +867,28 @@ def _loaded(module: str, name: str) -> tuple[type, ...]:
     return (cls,) if cls is not None else ()
 
 
+def _leave_process(code: int) -> int:
+    """``code``, or, when a client thread is still running (a round interrupted by a second Ctrl-C, or a client
+    abandoned after its round-timeout: ``client.local_transport.busy_client_threads``), leave the process now
+    with ``code`` after flushing the output: shutting the interpreter down around a thread inside torch's C++ code
+    aborts it with "terminate called without an active exception". Every file of the run directory is already
+    complete (atomic writes; events.jsonl is fsynced), so nothing is lost. Only the console script calls this
+    (``main()`` without argv): an in-process caller keeps its interpreter."""
+    local = sys.modules.get("dpdro.client.local_transport")
+    if local is None or not local.busy_client_threads():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     global _STARTED
     _STARTED = time.perf_counter()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     args = build_parser().parse_args(argv)
-    from dpdro.common.data import DataError  # torch-free (common/data.py imports torch where tensors are built)
-
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "plan": cmd_plan, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
                 "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
@@ -879,8 +898,16 @@ def main(argv: list[str] | None = None) -> int:
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy
+    code = _run_command(handlers[args.command], args)
+    return _leave_process(code) if argv is None else code
+
+
+def _run_command(handler, args: argparse.Namespace) -> int:
+    """The exit code of ``handler(args)``: a known error becomes one line on stderr and code 2."""
+    from dpdro.common.data import DataError  # torch-free (common/data.py imports torch where tensors are built)
+
     try:
-        return handlers[args.command](args)
+        return handler(args)
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
         sys.stderr.close()
         return 0

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.config import SEEDED_NOT_PRIVATE, Config
 from .allocation import proxy_variance
 from .ledger import Ledger
@@ -47,15 +48,25 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
         **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
-        "eval_dro_objective": final["eval_dro_objective"], "psi": cfg.psi, "lambda": cfg.lambda_,
-        **{k: v for k, v in final.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_dro_objective")},
+        **{k: v for k, v in final.items() if k.startswith("eval_") and k != "eval_loss"},
+        **algorithm_fields(cfg, setup, spider),
         "logit_adjust_tau": cfg.tau, "posthoc_tau": cfg.posthoc_tau, "class_prior": setup.prior_source,
-        "priors": list(setup.priors) if setup.priors is not None else None, "eta0": setup.eta0,
-        "dro_clip": cfg.dro_clip, "spider_noise": spider,
+        "priors": list(setup.priors) if setup.priors is not None else None,
+        **({"class_counts": list(setup.counts)} if setup.counts is not None else {}),
+        **({"group_counts": list(setup.group_counts)} if setup.group_counts is not None else {}),
         "output_iterate": cfg.output_iterate, "wall_seconds": wall_seconds, "transport": transport_name,
         "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
         **(initial_model or {}), "not_accounted": not_accounted(cfg, setup),
     }
+
+
+def algorithm_fields(cfg: Config, setup, spider: dict) -> dict:
+    """The summary fields of ``REPORTABLE`` that the run's algorithm declares (``AlgorithmSpec.reports``) other than
+    eval_dro_objective, which comes with the evaluation row: a baseline's summary carries no DRO setting it never
+    used."""
+    values = {"psi": cfg.psi, "lambda": cfg.lambda_, "dro_clip": cfg.dro_clip, "eta0": setup.eta0,
+              "spider_noise": spider}
+    return {k: values[k] for k in ALGORITHM_SPECS[cfg.algorithm].reports if k in values}
 
 
 def trust_statement(cfg: Config, transport_name: str) -> str:

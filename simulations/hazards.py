@@ -163,7 +163,7 @@ def write_hazards(seeds: list[int], root: Path, docs: Path) -> Path:
             continue
         sums = [json.loads((r / "summary.json").read_text()) for r in runs]
         tabled += sums
-        phases = [s["spider_noise"] for s in sums]
+        phases = [s["spider_noise"] for s in sums if "spider_noise" in s]  # a method without SPIDER has none
         dominated = [p["phases_noise_dominated"] / p["phases"] for p in phases if p["phases"]]
         ratio = [p["mean_phase_noise_ratio"] for p in phases if p["mean_phase_noise_ratio"] is not None]
         group = json.loads((runs[0] / "config.json").read_text()).get("dro-level") == "group"

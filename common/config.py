@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, AlgorithmSpec, algorithm_names, algorithm_params, eta_algorithms
+from .batches import over_n
 from .config_schema import ROLES, SECTIONS, ConfigError, Field, section_class
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
@@ -83,7 +84,7 @@ CORE_FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
     Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
-          "and 'image-folder' read your own files (README: your own data); 'package.module:function' calls your "
+          "and 'image-folder' read your own files (docs: how-to/own-data); 'package.module:function' calls your "
           "function (split, data_root) -> (x, y[, groups]) or a Dataset; 'python-data' is recorded by "
           "dpdro.fit(data=...) (records from Python, no file).", choices=_dataset_names, role="data",
           entry_point=True),
@@ -134,7 +135,7 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
           "data set; 'node-local': each Flower node trains on its own data, read from its node config "
           "(flower-supernode --node-config \"data-root='/site/data'\"), nothing partitioned centrally, the server "
-          "learning only the shard sizes (deployment only: docs/OPERATOR.md).",
+          "learning only the shard sizes (deployment only: docs/how-to/OPERATOR.md).",
           choices=("iid", "dirichlet", "node-local"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
@@ -212,7 +213,8 @@ CORE_FIELDS: tuple[Field, ...] = (
           "sum of clipped sums: a trusted server), 'distributed' (each client adds 1/m_min of the variance, m_min = "
           "min-clients with on-client-failure=drop, else num-clients; the server only sees the SecAgg+ sum on "
           "Flower), 'local' (each client adds the full noise: private even "
-          "against the server). README: trust models.", choices=("central", "distributed", "local"), role="privacy"),
+          "against the server). Docs: explanation/privacy.",
+          choices=("central", "distributed", "local"), role="privacy"),
     Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
           "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True, role="privacy"),
     Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
@@ -276,7 +278,8 @@ _CORE_KEYS = frozenset(f.key for f in CORE_FIELDS)
 
 
 def fields() -> tuple[Field, ...]:
-    """Every configuration key: ``CORE_FIELDS``, then each declared algorithm's params (in declaration order).
+    """Every configuration key, by section (``SECTIONS`` order: data, training, privacy, runtime, then the params
+    algorithms declare); within a section in declaration order (``CORE_FIELDS``, then each algorithm's params).
 
     Read when needed, so that a plug-in algorithm declared later adds its keys. Raises ValueError when an algorithm
     declares a key of ``CORE_FIELDS``."""
@@ -285,7 +288,7 @@ def fields() -> tuple[Field, ...]:
     if clash:
         raise ValueError(f"algorithm params {', '.join(map(repr, clash))} are keys every run reads (common/config.py): "
                          "an algorithm may declare new keys only")
-    return CORE_FIELDS + tuple(params.values())
+    return tuple(sorted(CORE_FIELDS + tuple(params.values()), key=lambda f: SECTIONS.index(f.section)))
 
 
 def field_by_key() -> dict[str, Field]:
@@ -503,12 +506,11 @@ class Config:
                               f"({self.num_clients})")
 
     def _check_batches(self) -> None:
-        if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
-            raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
-        if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
-            raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
+        if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)
+            problem = over_n(self.to_dict(), {k: f.default for k, f in field_by_key().items()},
+                             self.max_train_records, f"max-train-records ({self.max_train_records})")
+            if problem:
+                raise ConfigError(problem)
 
     def _check_algorithm(self) -> None:
         """The chosen algorithm's own check of its params (``AlgorithmSpec.check``) and the logit adjustment."""

@@ -28,6 +28,7 @@ from ..common.data import ArrayDataset
 from ..common.transport import Transport
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
+from .convergence import rising_note, worst_slope
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger
@@ -35,11 +36,12 @@ from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
 from .release import check_distributed
 from .releaser import Releaser
-from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, plan_run, resolve_delta: re-exported)
-    MIN_PRIVATE_RECORDS,
+from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, follow_n, plan_run, resolve_delta:
+    MIN_PRIVATE_RECORDS,  # re-exported for their callers)
     RunPlan,
     check_groups,
     check_records,
+    follow_n,
     plan_run,
     plan_training,
     resolve_delta,
@@ -52,7 +54,9 @@ log = logging.getLogger(__name__)
 # Keys that do not change what a run computes: a resumed run may differ in these.
 RUNTIME_KEYS = keys_with_role("runtime")
 # Facts about the run that config.json holds beside the config keys (written by ``train``, skipped on resume).
-RUN_FACTS = ("delta_resolved", "n", "transport", "versions")
+# data_read: the folder the evaluation records were read from (the data root, or the cache after data-root=auto
+# fell back to its copies; null for records passed from Python).
+RUN_FACTS = ("delta_resolved", "n", "transport", "versions", "data_read")
 
 
 class ResumeError(ValueError):
@@ -155,6 +159,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     if resume:
         check_resumed_records(RunDir(cfg.out_dir), n)
     plan = plan_training(cfg, n, test.num_classes, test.num_groups, tuple(test.x.shape[1:]), module)
+    cfg = plan.cfg  # batches left at a default above n follow it (``run_plan.follow_n``)
     everything = [*default_callbacks(cfg, progress), *(callbacks or [])]  # before any work: a missing TensorBoard
     if not cfg.private:
         log.warning("epsilon=inf: NOT PRIVATE (no clipping, no noise)")
@@ -164,6 +169,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     if cfg.private and cfg.noise_mode == "distributed":
         for warning in check_distributed(cfg, plan.noise, transport.largest_shard):
             log.warning("%s", warning)
+    for text in plan.notes:
+        _note(progress, text)
     _note(progress, plan_line(n, plan.delta, plan.noise))
     for warning in plan.algo.regime_warnings(plan.noise):
         log.warning("%s", warning)
@@ -185,7 +192,7 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
     ledger = Ledger(plan.releases, noise, cfg.epsilon, delta, cfg.accountant)
     rd = RunDir(cfg.out_dir)
     rd.create()
-    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions()), strict=True))
+    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions(), test.source or None), strict=True))
     x0 = plan.model.initial().double().numpy()
     releaser = Releaser(cfg, transport, ledger, n, rd)
     rows: list[dict] = []
@@ -210,6 +217,8 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
         x, _ = algo.output(run.state)
         metrics = evaluate(plan.model, x, test, cfg.training, shift)
         losses = metrics.pop("losses")
+        if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
+            metrics.pop("eval_dro_objective")
         return {"iteration": run.state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
                 **algo.eval_extras(run.state, losses), **algo.diagnostics(run.state),
                 **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
@@ -255,6 +264,10 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
                                   ledger=ledger, releaser=releaser, final=rows[-1], setup=setup, spider=spider,
                                   wall_seconds=run.wall(), transport_name=transport_name,
                                   skipped_files=test.skipped_files, initial_model=plan.initial.facts())
+        rising = rising_note(rows, cfg.iterations)
+        run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
+        if rising:
+            log.info("%s", rising)
         write_json(rd.summary, run.summary)
         np.save(rd.path / "final_params.npy", run.params)
         for cb in callbacks:

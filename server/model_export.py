@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from ..common.config import TrainingConfig
-from ..common.data import resolve_data_root
+from ..common.data import DATASETS, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.tabular_data import training_feature_names
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
-from .run_report import write_model_card, write_run_plots
+from .run_report import long_tailed_construction, minority_classes, write_model_card, write_run_plots
 
 
 def write_model_outputs(run: Any) -> None:
@@ -45,8 +45,12 @@ def write_model_outputs(run: Any) -> None:
         if names is not None and len(names) == int(test.x.shape[1]):
             meta["feature_names"] = names
     write_model_files(rd.path, state_dict_at(model.module, params), meta)
-    plots = write_run_plots(rd.path, rows, summary, classes)
-    write_model_card(rd.path, summary, meta, plots)
+    spec = DATASETS.get_entry(cfg.dataset) if cfg.dataset in DATASETS else None
+    construction = long_tailed_construction(cfg.dataset, test.num_classes, cfg.imbalance_ratio,
+                                            spec is not None and spec.long_tailed)
+    minority = minority_classes(summary, construction)
+    plots = write_run_plots(rd.path, rows, summary, classes, minority)
+    write_model_card(rd.path, summary, meta, plots, minority)
 
 
 def prediction_shift(training: TrainingConfig, setup) -> np.ndarray | None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..common.config import AUTO, Config, ConfigError
+from ..common.batches import fitted_to_n, over_n
+from ..common.config import AUTO, Config, ConfigError, field_by_key
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
@@ -44,6 +45,17 @@ def check_records(cfg: Config, n: int) -> None:
                           f"the default delta = 1/(10 n) = {auto_delta(n):.3g} is above 0.01, and (epsilon, delta)-DP "
                           "with such a delta is met by publishing the whole data set with probability delta: add "
                           "records (check max-train-records), or train without privacy (epsilon=inf)")
+
+
+def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
+    """(``cfg`` with every batch key the algorithm reads left at a default above n fitted to n, one note per key
+    fitted; common/batches.py). Raises ConfigError naming every batch key set above n, with suggested values."""
+    values = cfg.to_dict()
+    problem = over_n(values, {k: f.default for k, f in field_by_key().items()}, n, f"n = {n} training records")
+    if problem:
+        raise ConfigError(problem)
+    fitted, notes = fitted_to_n(values, n)
+    return (cfg.with_updates(fitted) if fitted else cfg), notes
 
 
 def resolve_delta(cfg: Config, n: int) -> float:
@@ -84,7 +96,8 @@ class RunPlan:
     for a module given in Python) and ``initial`` preparation (init-weights, trainable), the ``algo`` state
     machine, ``releases`` (Mechanism -> count, the setup releases included), ``noise`` (mechanism name ->
     calibrated noise multiplier; all 0 when epsilon = inf) and the noise ``profiles`` of the variance allocation
-    (None for noise-allocation=ratios)."""
+    (None for noise-allocation=ratios), and ``notes``, one per batch key fitted to n. ``cfg`` is the configuration
+    the run uses: the given one with batches left at a default above n fitted to n (``follow_n``)."""
 
     cfg: Config
     n: int
@@ -96,6 +109,7 @@ class RunPlan:
     releases: dict[Mechanism, int]
     noise: dict[str, float]
     profiles: dict | None
+    notes: list[str]
 
 
 def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_shape: tuple[int, ...],
@@ -105,11 +119,9 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     (``module``: an untrained nn.Module given in Python instead of config key ``model``, validated like every model
     and copied), the algorithm, and calibrate the noise of every release to the target.
 
-    Raises ConfigError for a batch above n, a bad delta, dro-groups=attribute without groups or a model that cannot
+    Raises ConfigError for a batch set above n, a bad delta, dro-groups=attribute without groups or a model that cannot
     be built (ModelError for layers that mix records); checks nothing of the run directory."""
-    for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
-        if batch > n:
-            raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
+    cfg, notes = follow_n(cfg, n)  # defaults above n follow it; a set value above n is refused
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
@@ -124,4 +136,4 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     check_groups(cfg, num_groups)
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
     releases, noise, profiles = plan_run(cfg, algo, n, delta)
-    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles)
+    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes)

@@ -85,7 +85,7 @@ TERMS = ("sampling", "noise", "clip_bias")
 ROW_COLUMNS = ("method", "level", "block", "epsilon", "q", "t", "kind", "mse", "sampling", "noise", "clip_bias",
                "target_sq", "clip", "clip_fraction", "clip_ratio", "step_norm")
 SUMMARY_COLUMNS = ("method", "level", "block", "epsilon", "q", "epsilon_planned", "z_refresh", "z_diff", "mse",
-                   "sampling", "noise", "clip_bias", "target_sq", "mse_vs_q1", "dominant", "diff_clip",
+                   "sampling", "noise", "clip_bias", "target_sq", "mse_vs_q1", "dominant", "step_norm", "diff_clip",
                    "diff_clip_fraction", "diff_clip_ratio")
 
 
@@ -358,8 +358,9 @@ def block_name(refresh: str) -> str:
 
 def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple[str, str]]) -> list[dict]:
     """One row per (method, level, block, epsilon, q): the means over t of mse and its terms, the term with the
-    largest mean ('dominant'), mse relative to q = 1's (when measured), the planned epsilon and noise
-    multipliers, and the mean clip, clipped fraction and cut ratio of the difference releases."""
+    largest mean ('dominant'; 'none' when all are 0), mse relative to q = 1's (when measured), the planned epsilon
+    and noise multipliers, the mean step length Delta_t, and the mean clip, clipped fraction and cut ratio of the
+    difference releases."""
     out = []
     refresh_of = {block_name(r): (r, d) for r, d in pairs}
     keys = sorted({(r["method"], r["level"], r["block"], r["epsilon"], r["q"]) for r in rows},
@@ -373,7 +374,8 @@ def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple
         out.append({"method": method, "level": level, "block": block, "epsilon": eps, "q": q,
                     "epsilon_planned": plans[q]["epsilon_planned"], "z_refresh": plans[q]["noise"][ref],
                     "z_diff": plans[q]["noise"][diff], **means, "mse_vs_q1": math.nan,
-                    "dominant": max(TERMS, key=lambda k: means[k]),
+                    "dominant": max(TERMS, key=lambda k: means[k]) if max(means[k] for k in TERMS) > 0 else "none",
+                    "step_norm": _mean([r["step_norm"] for r in mine]),
                     "diff_clip": _mean([r["clip"] for r in diffs]),
                     "diff_clip_fraction": _mean([r["clip_fraction"] for r in diffs]),
                     "diff_clip_ratio": _mean([r["clip_ratio"] for r in diffs])})
@@ -404,16 +406,18 @@ def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
 
 
 def table_text(summary: list[dict]) -> str:
-    """The summary as a Markdown table: the mean terms per block and q, the dominant one, mse against q = 1 and the
-    difference clip's statistics."""
-    head = ("| method | level | block | eps | q | z ref / diff | mse | sampling | noise | clip bias | dominant | "
-            "mse / q=1 | diff clip | clipped | cut ratio |")
+    """The summary as a Markdown table: per block and q the noise multipliers, the target's mean squared norm
+    ||g||^2, the mean terms, the dominant one, mse against q = 1, the mean step Delta_t and the difference clip's
+    statistics."""
+    head = ("| method | level | block | eps | q | z ref / diff | \\|g\\|^2 | mse | sampling | noise | clip bias | "
+            "dominant | mse / q=1 | step | diff clip | clipped | cut ratio |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in summary:
         lines.append(f"| {r['method']} | {r['level']} | {r['block']} | {r['epsilon']:g} | {r['q']} | "
-                     f"{r['z_refresh']:.3g} / {r['z_diff']:.3g} | {r['mse']:.3g} | {r['sampling']:.3g} | "
-                     f"{r['noise']:.3g} | {r['clip_bias']:.3g} | {r['dominant']} | {r['mse_vs_q1']:.3g} | "
-                     f"{r['diff_clip']:.3g} | {r['diff_clip_fraction']:.3g} | {r['diff_clip_ratio']:.3g} |")
+                     f"{r['z_refresh']:.3g} / {r['z_diff']:.3g} | {r['target_sq']:.3g} | {r['mse']:.3g} | "
+                     f"{r['sampling']:.3g} | {r['noise']:.3g} | {r['clip_bias']:.3g} | {r['dominant']} | "
+                     f"{r['mse_vs_q1']:.3g} | {r['step_norm']:.3g} | {r['diff_clip']:.3g} | "
+                     f"{r['diff_clip_fraction']:.3g} | {r['diff_clip_ratio']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -465,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     try:
         sets = {"threads": 1, **parse_sets(args.set)}
         jobs = []

@@ -390,12 +390,12 @@ def test_dockerfile_base_wheels_and_ca_are_build_arguments():
 
 
 def test_operator_guide_mentions_tested_commands():
-    text = (ROOT / "docs" / "OPERATOR.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "OPERATOR.md").read_text()
     for needle in ("flwr supernode register", "flwr supernode unregister", "--enable-supernode-auth",
                    "--auth-supernode-private-key", "--root-certificates", "dpdro certs create", "dpdro deploy",
                    "CONTAINERS_CONF", "podman-compose", "make-base.sh", "--node-data-root", "partition=node-local"):
         assert needle in text, needle
-    assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")
+    assert os.path.exists(ROOT / "docs" / "research" / "DEPLOYMENT_LATENCY.md")
 
 
 # ----- simulate never uses a foreign SuperLink ---------------------------------------------

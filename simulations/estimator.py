@@ -38,8 +38,8 @@ target and the per-record terms, a fixed uniform subsample of ``target-records``
 n records (its mean for theirs; sampling rates and batch sizes are those of the n records).
 
 A measurement on the training records, not a private release: nothing it prints is covered by the ledger (like
-the tuning searches, docs/TUNING.md). The estimate is in the units the algorithm updates with (recursive-spider's
-v/u releases divided by k_t, ``release_unit``).
+the tuning searches, docs/research/TUNING.md). The estimate is in the units the algorithm updates with
+(recursive-spider's v/u releases divided by k_t, ``release_unit``).
 """
 
 from __future__ import annotations
@@ -411,7 +411,7 @@ def table_text(summary: list[dict]) -> str:
     statistics."""
     head = ("| method | level | block | eps | q | z ref / diff | \\|g\\|^2 | mse | sampling | noise | clip bias | "
             "dominant | mse / q=1 | step | diff clip | clipped | cut ratio |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]  # \| is a pipe inside a cell
     for r in summary:
         lines.append(f"| {r['method']} | {r['level']} | {r['block']} | {r['epsilon']:g} | {r['q']} | "
                      f"{r['z_refresh']:.3g} / {r['z_diff']:.3g} | {r['target_sq']:.3g} | {r['mse']:.3g} | "

@@ -94,8 +94,9 @@ class ReleaseStats:
     """One release measured on the target records (m of them).
 
     mean: (D,) float64, (1/m) sum_i clip_C(v_i), in the release's own units; mean_sq: (1/m) sum_i ||clip_C(v_i)||^2;
-    clip_fraction: the fraction of records whose vector the clip scaled down; clip_ratio: the mean of ||v_i|| / C
-    over those records (nan when none); clip: C (inf: none); rate: the query's sampling rate r (of the n records);
+    clip_fraction: the fraction of records whose vector the clip scaled down (the product's clipped count: a record
+    at C within rounding counts, ``per_sample.clip_scales``); clip_ratio: the mean of ||v_i|| / C over the records
+    longer than C (nan when none); clip: C (inf: none); rate: the query's sampling rate r (of the n records);
     dim: D; sensitivity: S f(n), the per-record bound its noise is calibrated to (``Releaser.noise_sensitivity``);
     unit: the factor that turns the release into the estimator's units (``release_unit``)."""
 
@@ -117,7 +118,7 @@ def release_stats(worker: ShardWorker, query: Query, versions: Mapping[int, np.n
     does), their norms from the same norm bound that sets the clip factor. ``versions``: id -> (d,) parameters."""
     m = worker.num_records
     total = torch.zeros(query.dim, dtype=torch.float64)
-    sq, clipped, ratio = 0.0, 0, 0.0
+    sq, clipped, longer, ratio = 0.0, 0, 0, 0.0
     for v in worker.record_rows(query, versions):
         if isinstance(v, RowBlocks):
             bound, dtype = v.norm_upper_bound(), v.blocks[0].dtype
@@ -129,10 +130,11 @@ def release_stats(worker: ShardWorker, query: Query, versions: Mapping[int, np.n
         clipped += n_clipped
         if math.isfinite(query.clip):
             cut = norms > query.clip
+            longer += int(cut.sum())
             ratio += float((norms[cut] / query.clip).sum())
             norms = torch.clamp(norms, max=query.clip)
         sq += float((norms.to(torch.float64) ** 2).sum())
-    return ReleaseStats(total.numpy() / m, sq / m, clipped / m, ratio / clipped if clipped else math.nan, query.clip,
+    return ReleaseStats(total.numpy() / m, sq / m, clipped / m, ratio / longer if longer else math.nan, query.clip,
                         query.rate, query.dim, sensitivity, unit)
 
 

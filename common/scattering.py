@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .cache_files import atomic_writer
+from .errors import DpdroError
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ KYMATIO_VERSION = "0.3.0"
 BATCH = 64  # images per call of the transform (bounds its memory; faster than 256 or 16 on this CPU)
 
 
-class FeatureError(ValueError):
+class FeatureError(ValueError, DpdroError):
     """The feature front-end cannot be used (kymatio missing, records that are not images); the message says
     what to do."""
 

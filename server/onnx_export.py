@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.errors import DpdroError
+
 if TYPE_CHECKING:  # imported in export_onnx: the CLI names a missing extra before loading torch
     from torch import nn
 
@@ -26,7 +28,7 @@ EXTRA_MODULES = ("onnx", "onnxscript")  # what torch.onnx.export(dynamo=True) im
 INSTALL_HINT = "pip install 'dpdro[onnx]' (onnx and onnxscript: about 10 MB of wheels)"
 
 
-class ExportUnavailable(RuntimeError):
+class ExportUnavailable(RuntimeError, DpdroError):
     """The optional packages an export needs are not installed; the message names the extra to install."""
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..common.config import ConfigError
+from ..common.errors import DpdroError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
-class RunFileError(ValueError):
+class RunFileError(ValueError, DpdroError):
     """A file of a run directory is missing, truncated or not what dpdro wrote; the message names the file
     and what to do."""
 

@@ -35,6 +35,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from ...common.config import Config, keys_with_role
+from ...common.errors import DpdroError
 from ...common.flower.wire import pack_replies, unpack_queries
 
 app = ClientApp()
@@ -51,7 +52,7 @@ def _run_key(cfg: Config) -> tuple:
 KEEP_VERSIONS = 3  # SPIDER needs the current and previous iterate; one spare
 
 
-class PartitionError(ValueError):
+class PartitionError(ValueError, DpdroError):
     """The node's partition settings disagree with the run's configuration."""
 
 

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ...common.errors import RunFailed
+
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_SECONDS = 600.0  # node config warm-seconds: exit after this long without a request
@@ -45,7 +47,7 @@ NODE_KEY = "warm-seconds"
 _SOURCE = Path(__file__).resolve().parents[1].parent  # the folder holding client/, common/, server/
 
 
-class WarmUnavailable(RuntimeError):
+class WarmUnavailable(RuntimeError, RunFailed):
     """The warm worker could not be reached or did not answer; the ClientApp computes the reply itself."""
 
 

@@ -1,5 +1,6 @@
 """The run directory (ARCHITECTURE.md section 6): config.json, metrics.csv, summary.json, events.jsonl,
-checkpoint/ and plots/. Every whole-file write is atomic (temporary file, then rename)."""
+checkpoint/ and plots/. Every whole-file write is atomic and durable
+(``common.atomic``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..common.atomic import atomic_write_bytes
 from ..common.config import ConfigError
 from ..common.errors import DpdroError
 
@@ -36,17 +38,6 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, np.generic):
         return _jsonable(v.item())
     return v
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -500,7 +500,7 @@ DOC_TITLE = "# Empirical privacy audit"
 def write_section(path: Path, mode: str, lines: Sequence[str]) -> Path:
     """Replace (or add) the section of ``mode`` ('canary' or 'mia') in the audit document ``path``, between its
     HTML comment markers, keeping the other section; the file is replaced atomically."""
-    from ..server.rundir import atomic_write_bytes
+    from ..common.atomic import atomic_write_bytes
 
     begin, end = f"<!-- audit:{mode} -->", f"<!-- /audit:{mode} -->"
     block = "\n".join([begin, SECTION_TITLES[mode], "", *lines, end])

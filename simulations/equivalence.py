@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.atomic import atomic_write_bytes
 from ..common.config import Config
 from ..common.data import DataError
-from ..server.rundir import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 DATASETS = ("mnist-st", "fashion-mnist-st", "celeba", "cifar10-st")

@@ -412,7 +412,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     import csv
     import io
 
-    from ..server.rundir import atomic_write_bytes
+    from ..common.atomic import atomic_write_bytes
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["dataset"], lineterminator="\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpdro.common.atomic import atomic_write_text
 from dpdro.common.config import FIELDS, default_toml_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,5 +36,5 @@ def readme_text(text: str) -> str:
 if __name__ == "__main__":
     for name, fn in (("pyproject.toml", pyproject_text), ("README.md", readme_text)):
         path = ROOT / name
-        path.write_text(fn(path.read_text()))
+        atomic_write_text(path, fn(path.read_text()))
         print(f"updated {path}")

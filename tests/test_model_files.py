@@ -156,8 +156,8 @@ def test_evaluate_with_another_posthoc_tau_predicts_with_the_released_priors(fin
 def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_score(finished, capsys):
     """--posthoc-tau T1 T2 ...: the model runs once, each tau's figures equal a single-tau evaluation, and the
     chosen tau is the best tuning score among those reaching --min-accuracy."""
+    from dpdro.server.objective import objective_terms
     from dpdro.server.prediction import metrics, predict
-    from dpdro.simulations.objective import objective_terms
 
     run, _ = finished
     taus = [0.0, 1.0, 3.0]
@@ -190,8 +190,8 @@ def test_evaluate_posthoc_taus_over_several_runs_prints_the_mean_terms_and_choos
     --out and a single tau."""
     import shutil
 
+    from dpdro.server.objective import choose_by_terms, mean_terms, objective_terms
     from dpdro.server.prediction import metrics, predict
-    from dpdro.simulations.objective import choose_by_terms, mean_terms, objective_terms
 
     run, _ = finished
     other = tmp_path / "other"
@@ -471,7 +471,7 @@ def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file
     releases no priors is skipped; a second call trains nothing and replaces its line instead of adding one."""
     import tomllib
 
-    from dpdro.simulations.objective import choose_by_terms
+    from dpdro.server.objective import choose_by_terms
     from dpdro.simulations.posthoc_tau import choose_posthoc_tau, scan
     from dpdro.simulations.tuned import RECHOSEN_MARK, tuned_config_path
 

@@ -409,7 +409,7 @@ def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goa
     assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text
     assert "dp-double-spider -0.140 (worse)" in text and "recursive-spider +0.020 (better)" in text
     assert "| dp-sgd (n=3) | " in text and "## fashion-mnist-st" in text
-    assert "Not run: not tuned yet (`dpdro tune --dataset fashion-mnist-st`" in text
+    assert "Not run: not tuned yet (`dpdro lab tune --dataset fashion-mnist-st`" in text
     assert PROFILES["tuned"].epsilons == (1.0, 4.0, 8.0) and len(PROFILES["tuned"].seeds) >= 3
 
 
@@ -523,7 +523,7 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "TUNING.md").write_text("trials of a search")
-    assert main(["tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
+    assert main(["lab", "tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
                  "--configs", str(configs), "--docs", str(docs), "--root", str(tmp_path / "none")]) == 0
     assert (docs / "TUNING.md").read_text() == "trials of a search"
     assert tune.transferred_from("fashion-mnist-st", 4.0, configs) == "mnist-st"

@@ -1,4 +1,5 @@
-"""What ``dpdro tune`` maximises: a validation score that still orders runs when every worst class is at 0.
+"""What ``dpdro lab tune`` maximises and ``dpdro evaluate --posthoc-tau`` chooses by: a validation score that
+still orders runs when every worst class is at 0.
 
 A run's validation figures are reduced to three terms, compared in this order (lexicographically):
 

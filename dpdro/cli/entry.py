@@ -1,0 +1,82 @@
+"""The ``dpdro`` parser and ``main``: one module per command (``NAME``, ``HELP``, ``add_arguments``, ``run``),
+the product's at the top level, the experiment tools under ``dpdro lab``; errors end as one line and the exit
+status of ``dpdro.common.errors`` (its table), the traceback too with ``-v``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dpdro.common.errors import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, DpdroError
+
+from . import certs, deploy, evaluate, export, keys, lab, plan, predict, shared, simulate, train
+
+PRODUCT = (train, simulate, deploy, plan, keys, predict, evaluate, export, certs)
+
+
+class _Version(argparse.Action):
+    """--version: the installed package's version (its metadata), read only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("dpdro")
+        except PackageNotFoundError:  # run from a checkout that is not installed
+            from dpdro import __version__ as v
+        parser.exit(message=f"dpdro {v}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command: ``PRODUCT`` at the top level, ``lab.TOOLS`` under ``dpdro lab`` (and as
+    hidden deprecated aliases). Each sub-command's ``run`` is its ``args.run``."""
+    p = argparse.ArgumentParser(prog="dpdro", description="Record-level differentially private DRO training.",
+                                epilog="Experiment tools (research): dpdro lab --help. Exit status: 0 success, 1 "
+                                       "failure, 2 configuration, data or usage error, 130 stopped by Ctrl-C "
+                                       "(docs/OPERATOR.md).")
+    p.add_argument("--version", action=_Version, help="print the version and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="on an error, print the full traceback too")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parents = [shared.verbose_parent()]
+    for mod in PRODUCT:
+        s = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=parents)
+        mod.add_arguments(s)
+        s.set_defaults(run=mod.run)
+    lab.add_group(sub, parents)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``dpdro ARGV``; returns the exit status (common/errors.py's table)."""
+    shared.mark_started()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    args = build_parser().parse_args(argv)
+    if getattr(args, "deprecated", None):
+        lab.warn_deprecated(args.deprecated)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
+        sys.stderr.close()
+        return EXIT_OK
+    except DpdroError as e:
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"dpdro: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        print("dpdro: stopped by Ctrl-C", file=sys.stderr)
+        return EXIT_STOPPED
+    except Exception as e:  # noqa: BLE001 - the CLI's boundary: one line, the traceback with -v
+        if args.verbose:
+            raise
+        print(f"dpdro: error: {type(e).__name__}: {e} (dpdro -v ... prints the traceback)", file=sys.stderr)
+        return EXIT_FAILURE

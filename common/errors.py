@@ -16,6 +16,8 @@ code  meaning
 2     the input cannot be used as given (:class:`DpdroError`: configuration, data, run directory, model, budget,
       a missing optional extra) or a command-line usage error (argparse); nothing was trained
 130   stopped by Ctrl-C (:class:`Stopped`); a stopped ``dpdro train`` names its checkpoint and ``--resume``
+128+N terminated by signal N while Flower processes ran (simulate, deploy: SIGTERM 143, SIGHUP 129); a
+      SystemExit (``launch.processes.TerminatedBySignal``), not an error: the processes were stopped first
 ====  ==========================================================================================================
 """
 

@@ -33,7 +33,7 @@ class _Version(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command: ``PRODUCT`` at the top level, ``lab.TOOLS`` under ``dpdro lab`` (and as
-    hidden deprecated aliases). Each sub-command's ``run`` is its ``args.run``."""
+    hidden deprecated aliases). Each sub-command's ``run`` is ``args.command_run`` (``args.run`` is --run)."""
     p = argparse.ArgumentParser(prog="dpdro", description="Record-level differentially private DRO training.",
                                 epilog="Experiment tools (research): dpdro lab --help. Exit status: 0 success, 1 "
                                        "failure, 2 configuration, data or usage error, 130 stopped by Ctrl-C "
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in PRODUCT:
         s = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=parents)
         mod.add_arguments(s)
-        s.set_defaults(run=mod.run)
+        s.set_defaults(command_run=mod.run)
     lab.add_group(sub, parents)
     return p
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "deprecated", None):
         lab.warn_deprecated(args.deprecated)
     try:
-        return args.run(args)
+        return args.command_run(args)
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
         sys.stderr.close()
         return EXIT_OK

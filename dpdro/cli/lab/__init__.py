@@ -26,12 +26,12 @@ def add_group(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPa
     for mod in TOOLS:
         s = tools.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=parents)
         mod.add_arguments(s)
-        s.set_defaults(run=mod.run)
+        s.set_defaults(command_run=mod.run)
     for mod in TOOLS:
         s = sub.add_parser(mod.NAME, description=f"deprecated name of dpdro lab {mod.NAME}: {mod.HELP}",
                            parents=parents)
         mod.add_arguments(s)
-        s.set_defaults(run=mod.run, deprecated=mod.NAME)
+        s.set_defaults(command_run=mod.run, deprecated=mod.NAME)
 
 
 def warn_deprecated(name: str) -> None:

@@ -47,8 +47,9 @@ def atomic_writer(dest: str | os.PathLike, mode: int | None = None) -> Iterator[
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")  # mode 0600
+    os.close(fd)  # reopened by name: the file object's .name is its path (onnx.save reads it), not a descriptor
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             yield f
             f.flush()
             if (DEFAULT_MODE if mode is None else mode) != 0o600:

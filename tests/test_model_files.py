@@ -173,6 +173,12 @@ def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_sco
     best = max(range(3), key=lambda i: (round(terms[i][0], 4), round(terms[i][1], 4), round(terms[i][2], 4), -i))
     assert f"chosen: tau {taus[best]:g} " in out and png.read_bytes()[:8] == PNG_MAGIC
     assert "this is the test split: choose on validation" in out
+    # --format json: the same figures and choice as one object
+    assert main(["evaluate", "--run", str(run), "--posthoc-tau", "0", "1", "3", "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [t["tau"] for t in got["taus"]] == taus and got["chosen_tau"] == taus[best]
+    figures = [x for t in got["taus"] for x in (t["worst_class_accuracy"], t["two_lowest"], t["accuracy"])]
+    assert figures == pytest.approx([x for t in terms for x in t])
     # a floor above every tau's accuracy: nothing is chosen, exit status 1
     floor = max(t[2] for t in terms) + 1e-3
     if floor <= 1.0:

@@ -111,7 +111,7 @@ def _posthoc_taus(args: argparse.Namespace, taus: list[float]) -> int:
     private = rows[0][0]["privacy"] == NOT_PRIVATE
     chosen = choose_by_terms(terms, args.min_accuracy)
     pngs = [_confusion_path(args, run) for run in args.run] if chosen is not None else []
-    for run_preds, run_rows, png in zip(preds, rows, pngs, strict=True):
+    for run_preds, run_rows, png in zip(preds, rows, pngs, strict=False):  # none without a choice
         if png is not None:
             write_confusion_png(run_preds[chosen], run_rows[chosen], png, args.data)
     if args.format == "json":

@@ -4,7 +4,7 @@ Every error dpdro raises on purpose subclasses :class:`DpdroError` (keeping its 
 so that callers catching that are unaffected); the command line catches the base, prints one line
 ``dpdro: error: <message>`` on stderr (the traceback too with ``-v``) and exits with the class's ``exit_code``.
 
-Exit status of ``dpdro`` (also in docs/OPERATOR.md, "Exit status"):
+Exit status of ``dpdro`` (also in docs/how-to/OPERATOR.md, "Exit status"):
 
 ====  ==========================================================================================================
 code  meaning

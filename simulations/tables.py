@@ -1,4 +1,4 @@
-"""The results document of the tuned profile: ``dpdro lab report --profile tuned`` -> docs/RESULTS.md.
+"""The results document of the tuned profile: ``dpdro lab report --profile tuned`` -> docs/research/RESULTS.md.
 
 Per data set one table (method x epsilon: test accuracy and worst accuracy, mean +/- standard deviation over
 the seeds), then for every epsilon the comparison of each DP-DRO method against the strongest simple
@@ -179,13 +179,14 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
         searched = searched_methods(dataset, epsilon, configs)
         if searched:
             return (f"Hyper-parameters: **searched on {dataset}** for {', '.join(searched)} (the same budget each, "
-                    f"docs/TUNING.md, each search's first trial the method's keys transferred from {source}); every "
+                    f"docs/research/TUNING.md, each search's first trial the method's keys transferred from {source}); "
+                    "every "
                     f"other method keeps the keys its search on {source} selected (`dpdro lab tune --dataset {dataset} "
                     f"--transfer-from {source}`), {chose}.")
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro lab tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
                 f"{chose} (equal tuning effort: every method's keys come from the same search).")
-    return f"Hyper-parameters: searched on {dataset} (docs/TUNING.md)."
+    return f"Hyper-parameters: searched on {dataset} (docs/research/TUNING.md)."
 
 
 def no_difference_line(dataset: str, epsilon: float, configs: Path, methods) -> str | None:
@@ -257,7 +258,7 @@ def _accountants(rows: list[dict]) -> str:
 
 
 def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plots: list[Path]) -> Path:
-    """docs/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
+    """docs/research/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["dataset"], r["algorithm"], r["epsilon_target"])].append(r)
@@ -267,7 +268,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "tuned`. "
              "Protocol: every method got the same Optuna budget (TPE trials with median pruning over the same "
              "levers, its top trials confirmed on more seeds when the search asked for it; `dpdro lab tune`, "
-             "docs/TUNING.md states the budget and the confirmation) at epsilon 4 on a data set (each table says "
+             "docs/research/TUNING.md states the budget and the confirmation) at epsilon 4 on a data set "
+             "(each table says "
              "which; a data set without "
              "its own search reuses another's selected keys), each trial trained on the training split minus a "
              "held-out validation split and evaluated on that split, the winner selected on validation worst-class "

@@ -1,4 +1,4 @@
-"""Issue 24, item 6: what a newcomer hit at the command line.
+"""What a newcomer hit at the command line.
 
 - `dpdro --help`, `dpdro keys` and one-line configuration errors import no torch, Flower, matplotlib, tqdm or
   dp-accounting (each took 12-43 s on a loaded machine): checked through the import graph of a fresh process,
@@ -307,9 +307,9 @@ def test_no_lab_tool_writes_into_docs_by_default():
         if tool is bench:
             assert bench.document(parser.parse_args(["lab", "bench"])) == "runs/bench/PERFORMANCE.md"
             assert bench.document(parser.parse_args(["lab", "bench", "--write-docs"])) == str(
-                CHECKOUT / "docs" / "PERFORMANCE.md")
+                CHECKOUT / "docs" / "research" / "PERFORMANCE.md")
             continue
         args = parser.parse_args(["lab", tool.NAME])
         assert docs_dir(args) == Path(args.root) and args.root.startswith("runs/"), tool.NAME
-        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--write-docs"])) == CHECKOUT / "docs"
+        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--write-docs"])) == CHECKOUT / "docs" / "research"
         assert docs_dir(parser.parse_args(["lab", tool.NAME, "--docs", "elsewhere"])) == Path("elsewhere")

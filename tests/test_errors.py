@@ -1,5 +1,5 @@
 """One base class for dpdro's errors (common/errors.py) and one exit-code table, the same in the module, in
-docs/OPERATOR.md and in what the command line does."""
+docs/how-to/OPERATOR.md and in what the command line does."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_every_error_of_dpdro_derives_from_the_base_and_keeps_its_other_base():
 
 def test_the_exit_code_table_is_the_same_in_the_module_and_the_operator_guide():
     module = {int(m) for m in re.findall(r"^(\d+)\s{2,}\S", errors.__doc__, re.M)}
-    guide = (ROOT / "docs" / "OPERATOR.md").read_text().split("## Exit status", 1)[1].split("\n## ", 1)[0]
+    guide = (ROOT / "docs" / "how-to" / "OPERATOR.md").read_text().split("## Exit status", 1)[1].split("\n## ", 1)[0]
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", guide, re.M)}
     assert module == documented == CODES == {0, 1, 2, 130}
     assert re.search(r"^128\+N\s+terminated by signal N", errors.__doc__, re.M) and "| 128+N | terminated" in guide

@@ -216,11 +216,11 @@ def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reporte
 
 
 def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configuration(tmp_path):
-    """docs/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
+    """docs/research/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
     without run directories (here: none at all), i.e. its config_sha is the fingerprint of what the checked-in
     tuned files plan for its cell. Adding a configuration key without KEYS_ADDED_LATER, or changing a tuned file
     without new runs, breaks this."""
-    published = Path(__file__).resolve().parent.parent / "docs" / "results.csv"
+    published = Path(__file__).resolve().parent.parent / "docs" / "research" / "results.csv"
     with open(published, newline="") as f:
         cells = {sweep._cell(r) for r in csv.DictReader(f)}
     planned = sweep.plan_runs(sweep.PROFILES["tuned"], tmp_path)

@@ -20,7 +20,7 @@
     dpdro --version; dpdro -v COMMAND ...                     the version; the full traceback on an error
 
 Exit status: the table in ``dpdro.common.errors`` (0 success, 1 failure, 2 configuration, data or usage error,
-130 stopped by Ctrl-C); docs/OPERATOR.md, "Exit status".
+130 stopped by Ctrl-C); docs/how-to/OPERATOR.md, "Exit status".
 """
 
 from .entry import build_parser, main

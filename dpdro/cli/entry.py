@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from dpdro.common.errors import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, DpdroError
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpdro", description="Record-level differentially private DRO training.",
                                 epilog="Experiment tools (research): dpdro lab --help. Exit status: 0 success, 1 "
                                        "failure, 2 configuration, data or usage error, 130 stopped by Ctrl-C "
-                                       "(docs/OPERATOR.md).")
+                                       "(docs/how-to/OPERATOR.md).")
     p.add_argument("--version", action=_Version, help="print the version and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="on an error, print the full traceback too")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "deprecated", None):
         lab.warn_deprecated(args.deprecated)
+    code = _run_command(args)
+    return _leave_process(code) if argv is None else code
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The exit status of the parsed command: an error becomes one line on stderr and its class's exit code."""
     try:
         return args.command_run(args)
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
@@ -80,3 +87,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dpdro: error: {type(e).__name__}: {e} (dpdro -v ... prints the traceback)", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _leave_process(code: int) -> int:
+    """``code``, or, when a client thread is still running (a round interrupted by a second Ctrl-C, or a client
+    abandoned after its round-timeout: ``client.local_transport.busy_client_threads``), leave the process now
+    with ``code`` after flushing the output: shutting the interpreter down around a thread inside torch's C++ code
+    aborts it with "terminate called without an active exception". Every file of the run directory is already
+    complete (atomic writes; events.jsonl is fsynced), so nothing is lost. Only the console script calls this
+    (``main()`` without argv): an in-process caller keeps its interpreter."""
+    local = sys.modules.get("dpdro.client.local_transport")
+    if local is None or not local.busy_client_threads():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

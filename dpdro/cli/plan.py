@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def privacy_plan(cfg) -> dict:
-    """The plan of ``cfg`` as a dict: algorithm, dataset, n (training records), iterations, epsilon_target,
+    """The plan of ``cfg`` as a dict: algorithm, dataset, n (training records), fitted (a line per batch size
+    fitted to n, as the run fits it), iterations, epsilon_target,
     delta, accountant, releases (name, count, sampling_rate, noise_multiplier) and planned_epsilon (accountant ->
     epsilon; None for a non-private run). Loads the training split only to count its records (n, public: fixed by
     the unit of privacy). Raises ConfigError / DataError as training would, before any release."""
@@ -29,7 +30,7 @@ def privacy_plan(cfg) -> dict:
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
-    from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
+    from dpdro.server.engine import check_groups, check_records, follow_n, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
     from dpdro.server.release import check_distributed
 
@@ -38,6 +39,7 @@ def privacy_plan(cfg) -> dict:
     transport = LocalTransport(cfg, train_set)
     n = transport.num_records
     check_records(cfg, n)
+    cfg, fitted = follow_n(cfg, n)  # the batches the run would use
     module = make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                         input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)
     prepare_model(module, cfg.init_weights, cfg.trainable)  # the ledger's dimension: the trainable parameters
@@ -54,7 +56,8 @@ def privacy_plan(cfg) -> dict:
         for m, k in plan.items():
             counts[(m.rate, noise[m.name])] = counts.get((m.rate, noise[m.name]), 0) + k
         planned = {acc: epsilon_of(counts, delta, acc) for acc in ("pld", "rdp")}
-    return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": n, "iterations": cfg.iterations,
+    return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": n, "fitted": list(fitted),
+            "iterations": cfg.iterations,
             "epsilon_target": cfg.epsilon, "delta": delta, "accountant": cfg.accountant,
             "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": noise[m.name]}
                          for m, k in plan.items()],
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         shared.print_json(p)
         return 0
+    for text in p["fitted"]:
+        print(text)
     print(f"{p['algorithm']} on {p['dataset']}: n = {p['n']} training records, {p['iterations']} iterations, "
           f"epsilon target {p['epsilon_target']}, delta {p['delta']:.3g}, accountant {p['accountant']}")
     print(f"{'release':<16}{'count':>7}{'sampling rate':>15}{'noise multiplier':>18}")

@@ -112,6 +112,8 @@ def print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
           f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _started[0]:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")
+    if s.get("worst_still_rising"):  # server/convergence.py: worth training longer
+        print(f"note: {s['worst_still_rising']}")
 
 
 def add_format_argument(p: argparse.ArgumentParser) -> None:
@@ -144,16 +146,17 @@ def print_json(obj: Any) -> None:
 
 def add_output_arguments(p: argparse.ArgumentParser, what: str, root: str) -> None:
     """Where a lab tool writes ``what``: --docs DIR, or --write-docs for the checkout's docs/; by default the
-    tool's own folder ``root`` (--root), never docs/ unless asked."""
+    tool's own folder ``root`` (--root), never the checkout's docs/ unless asked."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--docs", default=None, metavar="DIR",
                    help=f"where {what} goes (default: --root, i.e. {root}; the checkout's docs/ only when asked)")
     g.add_argument("--write-docs", action="store_true",
-                   help=f"write {what} into the checkout's docs/ ({CHECKOUT / 'docs'}), the published copy")
+                   help=f"write {what} into the checkout's docs/research/, the published copy")
 
 
 def docs_dir(args: argparse.Namespace) -> Path:
-    """The folder a lab tool writes its document into: --docs, --write-docs (the checkout's docs/) or --root."""
+    """The folder a lab tool writes its document into: --docs, --write-docs (the checkout's docs/research/) or
+    --root."""
     if args.docs:
         return Path(args.docs)
-    return CHECKOUT / "docs" if args.write_docs else Path(args.root)
+    return CHECKOUT / "docs" / "research" if args.write_docs else Path(args.root)

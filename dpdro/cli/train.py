@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             return e.exit_code
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
             print(_stopped_message(cfg.out_dir), file=sys.stderr)
-            return TrainingStopped.exit_code
+            return TrainingStopped.exit_code  # main() leaves with os._exit if a client thread was interrupted
     shared.print_summary(result.summary, cfg.out_dir, resumed=bool(args.resume))
     return 0
 

@@ -22,18 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--doc", default=None, help=f"generated Markdown (and .json beside it); default {DEFAULT_DOC}")
     g.add_argument("--write-docs", action="store_true",
-                   help=f"write the checkout's docs/PERFORMANCE.md ({shared.CHECKOUT / 'docs'}), the published copy")
+                   help="write the checkout's docs/research/PERFORMANCE.md, the published copy")
     g.add_argument("--no-doc", action="store_true", help="print only, write no document")
     p.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout) for (d)")
 
 
 def document(args: argparse.Namespace) -> str | None:
-    """Where the Markdown goes: --doc, --write-docs (the checkout's docs/PERFORMANCE.md), DEFAULT_DOC, or None
+    """Where the Markdown goes: --doc, --write-docs (the checkout's docs/research/PERFORMANCE.md), DEFAULT_DOC, or None
     with --no-doc."""
     if args.no_doc:
         return None
     if args.write_docs:
-        return str(shared.CHECKOUT / "docs" / "PERFORMANCE.md")
+        return str(shared.CHECKOUT / "docs" / "research" / "PERFORMANCE.md")
     return args.doc or DEFAULT_DOC
 
 

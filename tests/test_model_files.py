@@ -278,7 +278,7 @@ def test_predict_and_evaluate_on_private_splits_say_not_private_and_write_only_t
 
 
 def test_a_run_whose_posthoc_tau_was_chosen_on_private_data_lists_it_as_not_accounted(overlap, tmp_path):
-    """Config key chosen-on-private-data (which dpdro tune writes into its files): each item becomes a line of the
+    """Config key chosen-on-private-data (which dpdro lab tune writes into its files): each item becomes a line of the
     summary's not_accounted and of the model card; without it neither line appears; an unknown item is refused."""
     from dpdro.common.config import Config, ConfigError
 
@@ -481,7 +481,7 @@ def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(t
 
 
 def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file(overlap, tmp_path, capsys):
-    """dpdro tune --choose-posthoc-tau: the tuned file's tau becomes the one the search's score chooses from the
+    """dpdro lab tune --choose-posthoc-tau: the tuned file's tau becomes the one the search's score chooses from the
     validation models' mean terms over the grid, the other keys stay, a comment line says how; a file that
     releases no priors is skipped; a second call trains nothing and replaces its line instead of adding one."""
     import tomllib

@@ -1,4 +1,4 @@
-"""dpdro tune (simulations/tune.py) with Optuna: seeded TPE, pruning, resumable storage, equal budgets,
+"""dpdro lab tune (simulations/tune.py) with Optuna: seeded TPE, pruning, resumable storage, equal budgets,
 confirmation on more seeds, the selection score. The trials are synthetic (``tune.train_trial`` replaced by a
 function of the trial's keys): no training runs here."""
 
@@ -340,7 +340,7 @@ def test_command_line_runs_the_search_with_its_budget(tmp_path, fake):
 
 
 def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_path, monkeypatch, capsys):
-    """dpdro tune --probe: the trial's protocol (validation split, trial length, the method's fixed keys) with the
+    """dpdro lab tune --probe: the trial's protocol (validation split, trial length, the method's fixed keys) with the
     given keys on top, in probes/ under the search folder, resumed rather than rerun, and no study written."""
     from dpdro.cli import main
     from dpdro.simulations import runner

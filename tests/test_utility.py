@@ -504,7 +504,7 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     tune.transfer_tuned("fashion-mnist-st", "mnist-st", 4.0, ["dp-sgda"], configs)
     for ds in ("mnist-st", "fashion-mnist-st"):
         assert rechosen_tau_line(ds, 4.0, configs, ["dp-sgd", "dp-sgda"]).endswith(": dp-sgda (1.25).")
-    # the mark in a later comment line at the top (dpdro tune --choose-posthoc-tau adds one) counts too
+    # the mark in a later comment line at the top (dpdro lab tune --choose-posthoc-tau adds one) counts too
     tune.write_toml(configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml", {**src, "posthoc-tau": 0.5},
                     "# Transferred by `dpdro tune --dataset fashion-mnist-st --epsilon 4 --transfer-from mnist-st`.\n"
                     f"# {RECHOSEN_MARK} on fashion-mnist-st's validation split: 0.5.\n")
@@ -530,7 +530,7 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
 
 
 def test_main_job_is_the_tuned_best_configuration():
-    """`make run` trains exactly the configuration `dpdro tune` selected for MNIST-ST at epsilon 4 (only the
+    """`make run` trains exactly the configuration `dpdro lab tune` selected for MNIST-ST at epsilon 4 (only the
     run directory, the evaluation and checkpoint cadence differ), so the quick start shows the goal-figure setting."""
     import tomllib
     from pathlib import Path

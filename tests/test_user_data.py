@@ -475,7 +475,8 @@ def test_plan_of_group_attribute_runs_on_groups_and_refuses_a_data_set_without(c
 
     assert main(["plan", "--format", "json", "--set", *keys]) == 0
     plan = json.loads(capsys.readouterr().out)
-    names = [ln.split()[0] for ln in out.splitlines()[2:] if ln and not ln.startswith("planned epsilon")]
+    table = out.split("noise multiplier\n", 1)[1].split("planned epsilon")[0]  # the rows under the header line
+    names = [ln.split()[0] for ln in table.splitlines() if ln]
     assert [r["name"] for r in plan["releases"]] == names and "group-histogram" in names
     assert plan["iterations"] == 4 and plan["epsilon_target"] == 4.0 and plan["accountant"] == "pld"
     assert f"pld {plan['planned_epsilon']['pld']:.4f}, rdp {plan['planned_epsilon']['rdp']:.4f}" in out

@@ -1,6 +1,6 @@
 """Estimator diagnostics of the SPIDER-type methods: where a gradient-difference release can beat a refresh.
 
-    python -m dpdro.simulations.estimator --out DIR [--methods dp-double-spider recursive-spider]
+    dpdro lab estimator --root DIR [--methods dp-double-spider recursive-spider]
         [--levels record group] [--epsilon 1 4] [--q 1 2 4 8 16] [--measure 32] [--skip 0]
         [--target-records 2000] [--trajectory-q 1] [--config FILE] [--set key=value ...]
 
@@ -62,7 +62,7 @@ import torch
 
 from ..client.local_transport import LocalTransport
 from ..client.worker import ShardWorker
-from ..common.config import Config, ConfigError
+from ..common.config import Config, ConfigError, parse_set_args
 from ..common.data import ArrayDataset, load_from_config
 from ..common.messages import Query
 from ..common.model_init import prepare_model
@@ -437,43 +437,14 @@ def method_keys(dataset: str, method: str, config: str | None, sets: Mapping[str
     return {**keys, "algorithm": method, "dataset": dataset, **sets}
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    """key=value pairs (values as TOML: 1, 0.5, true, "x"; anything else a string). ValueError for a pair
-    without '='."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set: got {item!r}; allowed: key=value")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def run(args: argparse.Namespace, error=None) -> int:
     """The command (module docstring): writes estimator.csv (every row), estimator-summary.csv, estimator.json
-    (rows, summary and facts) and estimator.md (the summary table) into --out, and prints the table."""
-    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.estimator", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for the tables")
-    p.add_argument("--dataset", default="mnist-st")
-    p.add_argument("--methods", nargs="+", default=["dp-double-spider", "recursive-spider"])
-    p.add_argument("--levels", nargs="+", default=["record"], choices=["record", "group"])
-    p.add_argument("--epsilon", nargs="+", type=float, default=[1.0, 4.0])
-    p.add_argument("--q", nargs="+", type=int, default=list(DEFAULT_QS))
-    p.add_argument("--measure", type=int, default=32, help="iterations measured")
-    p.add_argument("--skip", type=int, default=0, help="trajectory iterations before the first measured one")
-    p.add_argument("--target-records", type=int, default=2000, help="records of the full-batch target (0: all)")
-    p.add_argument("--trajectory-q", type=int, default=1)
-    p.add_argument("--config", help="base TOML (default: the tuned epsilon-4 file of each method)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config key override")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    (rows, summary and facts) and estimator.md (the summary table) into --out, and prints the table. A bad
+    request goes to ``error`` (argparse's, which exits 2) or raises ConfigError/ValueError."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     try:
-        sets = {"threads": 1, **parse_sets(args.set)}
+        sets = {"threads": 1, **parse_set_args(args.set)}
         jobs = []
         for method in args.methods:
             for level in args.levels:
@@ -485,7 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   args.q, args.measure, args.skip, args.target_records, args.trajectory_q)
                     jobs.append(keys)
     except (ConfigError, ValueError) as e:
-        p.error(str(e))
+        if error is not None:
+            error(str(e))
+        raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
     train = load_from_config(Config.from_mapping(jobs[0]), train=True)
     rows, summary, facts = [], [], []
     for keys in jobs:
@@ -503,7 +476,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "runs": facts})
     print(table_text(summary))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

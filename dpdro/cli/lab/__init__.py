@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import audit, bench, equivalence, hazards, noise_modes, report, sweep, tune
+from . import audit, bench, equivalence, estimator, hazards, noise_modes, report, sweep, tune
 
-TOOLS = (sweep, report, tune, audit, hazards, noise_modes, equivalence, bench)
+TOOLS = (sweep, report, tune, audit, hazards, noise_modes, equivalence, bench, estimator)
 
 
 def add_group(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """``dpdro lab <tool>`` for every tool, and each tool's old top-level name as a hidden alias (not listed in
     the help: no ``help=``; its ``deprecated`` default makes main() print the deprecation line)."""
     lab = sub.add_parser("lab", help="experiment tools: sweep, report, tune, audit, hazards, noise-modes, "
-                                     "equivalence, bench (research; output under runs/ unless --write-docs)",
+                                     "equivalence, bench, estimator (research; output under runs/ unless --write-docs)",
                          description=__doc__.split("\n\n")[0], parents=parents)
     tools = lab.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for mod in TOOLS:

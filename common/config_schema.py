@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import DpdroError
 from .registry import AUTO, is_entry_point
 
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
@@ -33,7 +34,7 @@ SECTIONS = ("data", "training", "privacy", "runtime", "algorithm")
 KIND_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, DpdroError):
     """A configuration value is missing, of the wrong type or out of range.
 
     The message names the key, the value given and what is allowed.

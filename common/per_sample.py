@@ -7,7 +7,7 @@ one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-rec
 
 - 'torch.func' (default): ``vmap(grad(...))`` over records (no Python loop over records);
 - 'opacus': Opacus' grad-sample hooks (``opacus.GradSampleModule``, per-layer outer products), which
-  ``dpdro bench`` measures against torch.func per model and device
+  ``dpdro lab bench`` measures against torch.func per model and device
   (docs/research/PERFORMANCE.md). Needs opacus installed.
 
 Both give the same gradients up to rounding (tests/test_per_sample.py checks 1e-6). Callers chunk large batches

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, keys_with_role
 from ..common.data import ArrayDataset
+from ..common.errors import DpdroError, Stopped
 from ..common.transport import Transport
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
@@ -59,11 +60,11 @@ RUNTIME_KEYS = keys_with_role("runtime")
 RUN_FACTS = ("delta_resolved", "n", "transport", "versions", "data_read")
 
 
-class ResumeError(ValueError):
+class ResumeError(ValueError, DpdroError):
     """A checkpoint cannot continue this run (other config, missing or corrupt files)."""
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(Stopped):
     """Training stopped at a user's request (``Progress.stop_requested``, e.g. Ctrl-C) after a checkpoint of
     iteration ``iteration`` was written to ``out_dir``: the run continues with ``dpdro train --resume out_dir``."""
 

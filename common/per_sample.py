@@ -280,6 +280,7 @@ class OuterRows(RowBlocks):
             raise ValueError(f"outer rows need g (B, K) and h (B, n); got {tuple(g.shape)} and {tuple(h.shape)}")
         self.g, self.h, self.bias, self.factor = g, h, bias, factor
         self._blocks: list[torch.Tensor] | None = None
+        self._h64: torch.Tensor | None = None
 
     @property
     def blocks(self) -> list[torch.Tensor]:  # type: ignore[override]
@@ -306,15 +307,22 @@ class OuterRows(RowBlocks):
         """These rows times a per-record factor (B,) (the rows' own factor, if any, kept)."""
         return OuterRows(self.g, self.h, self.bias, factor if self.factor is None else self.factor * factor)
 
+    def h64(self) -> torch.Tensor:
+        """h (B, n) in float64 (exact), converted once: the norm and the sum both read it."""
+        if self._h64 is None:
+            self._h64 = self.h.to(torch.float64)
+        return self._h64
+
     def norm_upper_bound(self) -> torch.Tensor:
         """Upper bound (B,) float64 on the exact L2 norm of each row: |factor_i| ||g_i|| sqrt(||h_i||^2 + 1[bias]),
-        every operation in float64 from the exact float64 values of g and h, times 1 + (K + n + 16) eps64 (a sum
-        of m squares errs by at most m u relative, the product and the root by a few u more; Higham 2002, sec.
-        4.2) and 1 + ``clip_margin(float64)`` (the rounding of the clip factor and of the scaled entries)."""
-        g, h = self.g.to(torch.float64), self.h.to(torch.float64)
-        sq = (g * g).sum(1) * ((h * h).sum(1) + (1.0 if self.bias else 0.0))
+        from upper bounds on ||g_i|| and ||h_i|| (``norm_upper_bound``: blocked sums of squares in their dtype,
+        with its margin), times 1 + (n / NORM_BLOCK + K / NORM_BLOCK + 16) eps64 for the float64 sums over blocks,
+        the product and the root (Higham 2002, sec. 4.2); ``norm_upper_bound``'s margin covers the rounding of the
+        clip factor and of the scaled entries, as for a dense row."""
         eps = torch.finfo(torch.float64).eps
-        norms = sq.sqrt() * (1.0 + (g.shape[1] + h.shape[1] + 16) * eps) * (1.0 + clip_margin(torch.float64))
+        slack = 1.0 + (self.h.shape[1] // NORM_BLOCK + self.g.shape[1] // NORM_BLOCK + 16) * eps
+        nh = norm_upper_bound(self.h)
+        norms = norm_upper_bound(self.g) * (nh * nh + (1.0 if self.bias else 0.0)).sqrt() * slack
         return norms if self.factor is None else norms * self.factor.to(torch.float64).abs()
 
 
@@ -471,7 +479,7 @@ def _clipped_outer_sum_and_count(v: OuterRows, bound: float) -> tuple[torch.Tens
     <= bound (the bound's margin covers the rounding of G), and each entry of the sum has one rounding per product
     and B - 1 additions: within gamma_B B bound of the exact sum, as ``sum64``. Rows whose bound is not finite
     (NaN or Inf in g, h or the factor) contribute zero."""
-    g, h = v.g.to(torch.float64), v.h.to(torch.float64)
+    g, h = v.g.to(torch.float64), v.h64()
     if math.isinf(bound):
         coef = torch.ones(g.shape[0], dtype=torch.float64, device=g.device)
         if v.factor is not None:

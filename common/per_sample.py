@@ -240,6 +240,11 @@ class RowBlocks:
         """These rows times a per-record factor (B,) (the rows' own factor, if any, kept)."""
         return RowBlocks(self.blocks, factor if self.factor is None else self.factor * factor)
 
+    def clipped(self, bound: float) -> RowBlocks:
+        """These rows clipped to exact norm <= ``bound`` as ``clip_rows`` clips the dense rows (rows with NaN or Inf
+        become zero); the clip factor kept as the rows' factor where the form allows it (``OuterRows``)."""
+        return RowBlocks([clip_rows(self.dense(), bound)])
+
     def weighted_block(self, j: int) -> torch.Tensor:
         """Column block j times the factor, (B, d_j): the block itself, scaled in place (the blocks are this
         object's own; a block read this way must not be read again through it)."""
@@ -306,6 +311,20 @@ class OuterRows(RowBlocks):
     def weighted(self, factor: torch.Tensor) -> OuterRows:
         """These rows times a per-record factor (B,) (the rows' own factor, if any, kept)."""
         return OuterRows(self.g, self.h, self.bias, factor if self.factor is None else self.factor * factor)
+
+    def clipped(self, bound: float) -> OuterRows:
+        """These rows clipped to exact norm <= ``bound`` (finite, >= 0), in factored form: the clip factor
+        min(1, bound / N_i) of ``norm_upper_bound`` (in g's dtype, as ``clip_scales`` gives it) joins the factor;
+        a row whose bound is not finite gets factor 0 and its g and h rows are zeroed (0 * NaN would be NaN)."""
+        norms = self.norm_upper_bound()
+        finite = torch.isfinite(norms)
+        scale = _clip_factors(norms, bound).to(self.g.dtype)
+        g, h = self.g, self.h
+        if not bool(finite.all()):
+            g = torch.where(finite.unsqueeze(1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+            h = torch.where(finite.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        factor = scale if self.factor is None else scale * torch.where(finite, self.factor, 0.0)
+        return OuterRows(g, h, self.bias, factor)
 
     def h64(self) -> torch.Tensor:
         """h (B, n) in float64 (exact), converted once: the norm and the sum both read it."""

@@ -241,7 +241,7 @@ def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None
     w = torch.as_tensor(list(extra[2 + j * k:2 + (j + 1) * k]), dtype=flat.dtype, device=flat.device)
     rows = model.losses_and_grad_rows(flat, x, y, problem.offset)[1]
     if math.isfinite(grad_clip):
-        rows = RowBlocks([clip_rows(rows.dense(), grad_clip)])
+        rows = rows.clipped(grad_clip)
     return rows.weighted(w[y if groups is None else groups])
 
 

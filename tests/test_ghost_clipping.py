@@ -62,18 +62,21 @@ def test_ghost_gradients_equal_torch_func(case):
         assert isinstance(rows, OuterRows) and rows.shape == (N, generic.dim)
 
 
-@pytest.mark.parametrize("quantity", ["ce-grad", "dual-x", "class-weighted-grad", "group-weighted-grad"])
+@pytest.mark.parametrize("quantity", ["ce-grad", "dual-x", "class-weighted-grad", "group-weighted-grad",
+                                      "group-weighted-grad-wac"])
 @pytest.mark.parametrize("clip", [math.inf, 0.05])
 def test_ghost_clipped_sums_equal_torch_func(case, quantity, clip):
     """The client's clipped sums (``worker.clipped_total``) of a refresh (one point) and of a difference (two
     points, combined in factored form) are the generic engine's, with the same number of clipped records; at 0.05
-    the clip binds on some records."""
+    the clip binds on some records. '-wac': group weights after a per-record clip at 0.1 (dro-clip =
+    weight-after-clip), kept in factored form by the ghost engine."""
     generic, ghost, x, y, flat0, flat1 = case
     problem = Problem(psi=make_psi("chi2"), lam=0.7, eta_scale=2.0)
     extra = {"class-weighted-grad": tuple(float(v) for v in torch.linspace(0.5, 2.0, 10)),
              "group-weighted-grad": (math.inf, 10, *(float(v) for v in torch.linspace(0.5, 2.0, 20))),
+             "group-weighted-grad-wac": (0.1, 10, *(float(v) for v in torch.linspace(0.5, 2.0, 20))),
              }.get(quantity, ())
-    fn, rows = QUANTITIES[quantity], torch.arange(N)
+    fn, rows = QUANTITIES[quantity.removesuffix("-wac")], torch.arange(N)
     for flats, scalars, coefs in (([flat1], [1.2], [1.0]), ([flat1, flat0], [1.0, 0.0], [1.0, -1.0])):
         ta, ca = clipped_total(generic, fn, flats, scalars, coefs, x, y, rows, clip, generic.dim, problem, extra, 4)
         tb, cb = clipped_total(ghost, fn, flats, scalars, coefs, x, y, rows, clip, ghost.dim, problem, extra, 4)

@@ -16,6 +16,17 @@ from ..common.partition import make_partition
 from ..common.transport import RoundResult
 from .worker import ShardWorker
 
+# Name prefix of the threads that run a client's work on a round (``busy_client_threads``).
+CLIENT_THREAD = "dpdro-client"
+
+
+def busy_client_threads() -> list[threading.Thread]:
+    """The client threads still running: a round interrupted by Ctrl-C in the main thread, or a client abandoned
+    after its round-timeout. Such a thread may be inside torch's C++ code; if the interpreter shuts down around it,
+    the thread is unwound through C++ frames that cannot be unwound and the process aborts ("terminate called
+    without an active exception"), so a command-line process with one alive leaves with ``os._exit``."""
+    return [t for t in threading.enumerate() if t.name.startswith(CLIENT_THREAD) and t.is_alive()]
+
 
 class LocalTransport:
     """Runs every client's ``ShardWorker`` in this process, partitioned exactly as the Flower clients.
@@ -67,7 +78,7 @@ class LocalTransport:
             except BaseException as e:  # noqa: BLE001 - handed to the calling thread
                 outcome["error"] = e
 
-        thread = threading.Thread(target=work, name=f"dpdro-client-{worker.partition}", daemon=True)
+        thread = threading.Thread(target=work, name=f"{CLIENT_THREAD}-{worker.partition}", daemon=True)
         thread.start()
         thread.join(self.timeout)
         if thread.is_alive():

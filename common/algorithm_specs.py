@@ -29,6 +29,10 @@ class AlgorithmSpec:
     space: the tuner's search space (config key -> FloatRange | IntRange | Choice, ``dpdro tune``); empty: not
         tuned.
     fixed: keys every tuning trial of the algorithm shares (not searched).
+    reports: the fields of summary.json (and, for eval_dro_objective and eta, the columns of metrics.csv) that
+        apply to this algorithm only, among ``REPORTABLE``: a run of another algorithm leaves them out
+        (docs/reference/run-directory.md lists every field and which algorithms report it). The per-iteration
+        values of the algorithm's own ``diagnostics`` and ``eval_extras`` are its columns without declaration.
     """
 
     name: str
@@ -39,6 +43,20 @@ class AlgorithmSpec:
     logit_adjusted: bool = False
     space: Mapping[str, SearchDimension] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    reports: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.reports) - set(REPORTABLE))
+        if unknown:
+            raise ValueError(f"AlgorithmSpec {self.name!r}: reports {unknown} unknown; allowed: {list(REPORTABLE)}")
+
+
+# The run-directory fields that only some algorithms report (AlgorithmSpec.reports), each with what it is:
+# psi, lambda and dro_clip are the config keys psi, lambda and dro-clip; eval_dro_objective is F(x) of the run's psi
+# and lambda on the evaluation split (ALGORITHMS.md 1.2), a metrics.csv column and a summary.json field; eta0 is the
+# dual variable's starting value when released from the data (eta-init-source=private-mean-loss); spider_noise sums
+# up how much noise a SPIDER phase's differences added (server/diagnostics.py).
+REPORTABLE = ("psi", "lambda", "dro_clip", "eval_dro_objective", "eta0", "spider_noise")
 
 
 ALGORITHM_SPECS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -120,7 +138,8 @@ _BETA = FloatRange(0.01, 1.0, log=True)  # STORM weight / the group losses' aver
 # since the average is bias-corrected (a running mean at first) and the allocation counts it (ALGORITHMS.md 3.3)
 # How the budget is split between a method's releases (server/allocation.py): the variance rule, or the declared
 # ratios (eta-/s-noise-ratio 2; dp-sgda: equal multipliers). A lever of every method with two kinds of release:
-# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10 (README).
+# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10
+# (docs/research/long-tailed.md).
 _ALLOCATION = Choice(("variance", "ratios"))
 # The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
 _WARMUP = IntRange(0, 200, step=25)
@@ -138,7 +157,7 @@ def _levers(lr_x: FloatRange, tau: FloatRange | None = _TAU) -> dict[str, Search
 _SPIDER = {"clip-diff-max": 0.15, "eta-init-source": "private-mean-loss"}
 _DUAL = ("psi", "lambda", "cvar-alpha", "eta-scale", "eta-init", "eta-init-source", "eta-init-noise-multiplier")
 
-# ---- the built-in algorithms (docs/ALGORITHMS.md) ----
+# ---- the built-in algorithms (docs/explanation/ALGORITHMS.md) ----
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
@@ -148,13 +167,15 @@ declare_algorithm(AlgorithmSpec(
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
-    # The search runs at dro-level=group (ALGORITHMS.md 3.3): the record level's searches (docs/TUNING.md, earlier
-    # rounds) reached worst-class 0.02 at best, and half of a joint search's trials went to it. lr-eta is inert at the
-    # group level (eta is solved exactly), so it is not searched; the divergence's centre is.
+    # The search runs at dro-level=group (ALGORITHMS.md 3.3): the record level's searches
+    # (docs/research/TUNING.md, earlier rounds) reached worst-class 0.02 at best, and half of a joint search's
+    # trials went to it. lr-eta is inert at the group level (eta is solved exactly), so it is not searched; the
+    # divergence's centre is.
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "psi": Choice(("chi2", "kl")),
            "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "dro-reference": _DRO_REFERENCE, "beta": _BETA,
            "noise-allocation": _ALLOCATION},
-    fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"}))
+    fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"},
+    reports=("psi", "lambda", "dro_clip", "eval_dro_objective", "eta0", "spider_noise")))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
@@ -172,7 +193,9 @@ declare_algorithm(AlgorithmSpec(
     # s released in units of s_{t-1} (ALGORITHMS.md 2.5; measured: 0.39 -> 0.83 accuracy at lr 6), with a floor
     # below the starting s (about 4.5e-4 on MNIST-ST)
     fixed={"clip-diff-max": 0.15, "lr-lambda": 0.05, "rs-clip-units": "relative",
-           "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"}))
+           "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"},
+    # its objective is KL-DRO with rho (its own eval_kl_dro_objective), not the psi-divergence of key psi
+    reports=("dro_clip", "spider_noise")))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd", keys=("refresh-batch", "clip-x", "lr-x"), quantities=("ce-grad",),
     space=_levers(_LR, tau=None)))
@@ -184,19 +207,21 @@ declare_algorithm(AlgorithmSpec(
     "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda", "dro-groups"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
     space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True),
-           "noise-allocation": _ALLOCATION}))
+           "noise-allocation": _ALLOCATION},
+    reports=("lambda",)))
 
 declare_algorithm(AlgorithmSpec(
     "dp-sgd-dual", keys=("refresh-batch", "clip-x", "lr-x", "lr-eta", *_DUAL), quantities=("dual-joint",),
     uses_eta=True, dro=True,
     space={**_levers(_LR), "lambda": _LAMBDA, "lr-eta": _LR_ETA},
-    fixed={"eta-init-source": "private-mean-loss"}))
+    fixed={"eta-init-source": "private-mean-loss"},
+    reports=("psi", "lambda", "eval_dro_objective", "eta0")))
 declare_algorithm(AlgorithmSpec(
     "dp-spiderboost",
     keys=("q", "refresh-batch", "diff-batch", "clip-x", "clip-diff", "clip-diff-max", "lr-x", "lr-eta", *_DUAL),
     quantities=("dual-joint",), uses_eta=True, dro=True,
     space={**_levers(_LR_SPIDER), "q": _Q, "lambda": _LAMBDA, "lr-eta": _LR_ETA},
-    fixed=_SPIDER))
+    fixed=_SPIDER, reports=("psi", "lambda", "eval_dro_objective", "eta0", "spider_noise")))
 
 def algorithm_names() -> tuple[str, ...]:
     """Every declared algorithm, in declaration order (the config's allowed values)."""

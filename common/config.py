@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
+from .batches import over_n
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
@@ -203,7 +204,7 @@ FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
     Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
-          "and 'image-folder' read your own files (README: your own data); 'package.module:function' calls your "
+          "and 'image-folder' read your own files (docs: how-to/own-data); 'package.module:function' calls your "
           "function (split, data_root) -> (x, y[, groups]) or a Dataset; 'python-data' is recorded by "
           "dpdro.fit(data=...) (records from Python, no file).", choices=_dataset_names, role="data",
           entry_point=True),
@@ -254,7 +255,7 @@ FIELDS: tuple[Field, ...] = (
     Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
           "data set; 'node-local': each Flower node trains on its own data, read from its node config "
           "(flower-supernode --node-config \"data-root='/site/data'\"), nothing partitioned centrally, the server "
-          "learning only the shard sizes (deployment only: docs/OPERATOR.md).",
+          "learning only the shard sizes (deployment only: docs/how-to/OPERATOR.md).",
           choices=("iid", "dirichlet", "node-local"), role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
@@ -442,7 +443,8 @@ FIELDS: tuple[Field, ...] = (
           "sum of clipped sums: a trusted server), 'distributed' (each client adds 1/m_min of the variance, m_min = "
           "min-clients with on-client-failure=drop, else num-clients; the server only sees the SecAgg+ sum on "
           "Flower), 'local' (each client adds the full noise: private even "
-          "against the server). README: trust models.", choices=("central", "distributed", "local"), role="privacy"),
+          "against the server). Docs: explanation/privacy.",
+          choices=("central", "distributed", "local"), role="privacy"),
     Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
           "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True, role="privacy"),
     Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
@@ -604,12 +606,11 @@ class Config(_ConfigBase):  # type: ignore[misc, valid-type]
         if not self.lambda0 <= self.lambda_init <= self.lambda_max:
             raise ConfigError(f"config keys 'lambda0', 'lambda-init', 'lambda-max': got {self.lambda0}, "
                               f"{self.lambda_init}, {self.lambda_max}; allowed: lambda0 <= lambda-init <= lambda-max")
-        if self.refresh_batch > 0 and self.max_train_records and self.refresh_batch > self.max_train_records:
-            raise ConfigError(f"config key 'refresh-batch': got {self.refresh_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
-        if self.diff_batch > 0 and self.max_train_records and self.diff_batch > self.max_train_records:
-            raise ConfigError(f"config key 'diff-batch': got {self.diff_batch}; allowed: at most "
-                              f"max-train-records ({self.max_train_records})")
+        if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)
+            problem = over_n(self.to_dict(), {k: f.default for k, f in FIELD_BY_KEY.items()},
+                             self.max_train_records, f"max-train-records ({self.max_train_records})")
+            if problem:
+                raise ConfigError(problem)
         from .data import DATASETS  # late: data.py imports this module
 
         try:  # an import path is imported here: its error before any work

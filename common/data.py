@@ -64,7 +64,9 @@ class ArrayDataset:
     groups (N,) int64 in [0, num_groups) for worst-group accuracy (CelebA: 2 * Blond_Hair + Male); class_names:
     the names of classes 0 .. num_classes-1 when the data set gives them (user data), else () (model.json then
     names the classes by index); skipped_files: files of the data set's folders not read as records
-    (``LoadedSplit.skipped_files``; summary.json reports it)."""
+    (``LoadedSplit.skipped_files``; summary.json reports it); source: the folder the records were read from (the
+    data root, or the cache when data-root=auto fell back to its copies; '' for records not read from files),
+    which config.json records as data_read."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -74,6 +76,7 @@ class ArrayDataset:
     num_groups: int = 0
     class_names: tuple[str, ...] = ()
     skipped_files: int = 0
+    source: str = ""
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -85,7 +88,7 @@ class ArrayDataset:
         t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         groups = None if self.groups is None else self.groups[t]
         return ArrayDataset(self.x[t], self.y[t], self.num_classes, self.name, groups, self.num_groups,
-                            self.class_names, self.skipped_files)
+                            self.class_names, self.skipped_files, self.source)
 
 
 Loader = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | LoadedSplit"]
@@ -200,6 +203,8 @@ DATASETS: Registry[DatasetSpec] = Registry("dataset", entry_point=_entry_point_s
 # data-root=auto. Set by ``load_dataset`` around each call (a ContextVar keeps the Loader signature of
 # plug-in data sets unchanged).
 _CACHE_FALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("dpdro_cache_fallback", default=True)
+# The folder a loader read the records from when it is not the data root (the cache, after a fallback).
+_READ_FROM: contextvars.ContextVar[Path | None] = contextvars.ContextVar("dpdro_read_from", default=None)
 
 
 def register_dataset(name: str, spec: DatasetSpec) -> DatasetSpec:
@@ -220,11 +225,16 @@ def project_root() -> Path:
 def resolve_data_root(value: str) -> Path:
     """``data-root``: the value itself, or for 'auto' $DPDRO_DATA_ROOT, else ../shared/datasets beside the
     project when it exists, else the cache directory. Only with 'auto' may the loaders read the cache's
-    copies when the resolved folder lacks the files; an explicit folder must hold them."""
+    copies when the resolved folder lacks the files; an explicit folder must hold them. Raises DataError when
+    $DPDRO_DATA_ROOT names a folder that does not exist (a typo must not train on other copies)."""
     if value != AUTO:
         return Path(value).expanduser()
     env = os.environ.get("DPDRO_DATA_ROOT")
     if env:
+        if not Path(env).expanduser().is_dir():  # a declared folder that is not there: never the cache instead
+            raise DataError(f"$DPDRO_DATA_ROOT={env}: no such folder; point it at the folder holding the data "
+                            "(<Name>/raw/ in torchvision's layout), or unset it to use ../shared/datasets beside "
+                            "the project, else the cache")
         return Path(env).expanduser()
     shared = project_root().parent / "shared" / "datasets"
     if shared.is_dir():
@@ -285,6 +295,7 @@ def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: b
                 raise DataError(f"cannot decompress {src} into {dest}: {e}") from None
         return cache_dir, False
     if cache_fallback and all((cached / f[:-3]).is_file() for f in files):
+        _READ_FROM.set(cache_dir)
         for f in files:
             dest = cached / f[:-3]
             # copies made before records were written have none: their IDX header still shows a truncation
@@ -367,6 +378,7 @@ def _load_cifar10(train: bool, data_root: Path, cache_dir: Path, download: bool,
     names = CIFAR_TRAIN if train else CIFAR_TEST
     for root in (data_root, data_root / "CIFAR10") + ((cache_dir,) if cache_fallback else ()):
         if all((root / CIFAR_DIR / n).is_file() for n in names):
+            _READ_FROM.set(root)
             return _read_cifar10(root, train)
     if download:
         from torchvision import datasets
@@ -529,12 +541,15 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     # a validation split is carved from the training files, unless the data set has its own
     files = split if spec.own_validation or split == "test" else "train"
     token = _CACHE_FALLBACK.set(data_root == AUTO)  # an explicit data root must hold the data itself
+    read_token = _READ_FROM.set(None)
     try:
         extra = (dict(options or {}),) if spec.with_options else ()
         images, labels, groups, num_classes, num_groups, class_names, skipped = LoadedSplit(
             *spec.load(files, root, cache, download, split_seed, *extra))
+        source = _READ_FROM.get() or root
     finally:
         _CACHE_FALLBACK.reset(token)
+        _READ_FROM.reset(read_token)
     num_classes, num_groups = num_classes or spec.num_classes, num_groups or spec.num_groups
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
@@ -560,7 +575,7 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
         x = compute_features(_to_float(images[t]), features, cache, dataset)
     return ArrayDataset(x, labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
-                        tuple(class_names), skipped)
+                        tuple(class_names), skipped, str(Path(source).resolve()))
 
 
 def with_features(ds: ArrayDataset, features: str, cache_dir: str = AUTO) -> ArrayDataset:
@@ -594,7 +609,7 @@ register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "cnn32", long_ta
                                            keys=("imbalance-ratio",)))
 register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
 register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
-# ---- user data (README "Your own data"): classes from the files or config key 'classes' ----
+# ---- user data (docs/how-to/own-data.md): classes from the files or config key 'classes' ----
 register_dataset("image-folder", DatasetSpec(image_folder.load, 0, "convnet", keys=image_folder.KEYS,
                                              with_options=True, check=image_folder.check_options,
                                              fingerprint=image_folder.fingerprint))

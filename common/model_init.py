@@ -2,7 +2,7 @@
 
 ``init-weights = PATH``: a state_dict saved with ``torch.save`` (a dpdro run's ``model.pt`` is one) of weights
 trained on public data, loaded into the model before training. The file is public input: it costs no privacy,
-and it must never have been trained on the private records (README "Your own data and model"). It is loaded with
+and it must never have been trained on the private records (docs/how-to/own-data.md). It is loaded with
 ``torch.load(weights_only=True)`` and strictly: every tensor of the model's state_dict must be in it with the
 model's shape, and nothing else.
 

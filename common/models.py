@@ -95,7 +95,7 @@ class GroupNormCNN32(nn.Module):
     Three 3x3 convolutions with stride 2 (16, 32, 64 channels; 32 -> 16 -> 8 -> 4 pixels), then a linear layer.
     Why so small: a per-record gradient step writes a (batch x parameters) matrix, so its time grows with the
     parameter count; a 357k-parameter variant (32/64/128 channels, 128 hidden units) took 10x longer per step
-    on this CPU (README "Data sets"). The GroupNorm ResNet20 (``resnet20``) is the paper profile for a GPU.
+    on this CPU (docs/reference/datasets.md). The GroupNorm ResNet20 (``resnet20``) is the paper profile for a GPU.
 
     Input: (B, 3, 32, 32) float; output: (B, num_classes) logits. 34,058 parameters (10 classes).
     """

@@ -10,7 +10,7 @@ The project keeps one registry per plug-in kind, in the lowest layer that may ho
   and the tables need) and ``server.algorithms.ALGORITHMS`` (name -> the state-machine class)
 
 Everything else that lists names (the config's allowed values, the default model of a data set, the tuning
-spaces, the results tables) is derived from these. docs/DEVELOPING.md says how to add a plug-in.
+spaces, the results tables) is derived from these. CONTRIBUTING.md says how to add a plug-in.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """dpdro: record-level differentially private distributionally robust optimisation.
 
 The implementation lives in sub-packages mapped from the repository's top-level folders, in layers that only
-import downward (docs/DEVELOPING.md; tests/test_architecture.py checks it):
+import downward (CONTRIBUTING.md; tests/test_architecture.py checks it):
 ``dpdro.common`` (math, models, data, configuration, message and transport types) <- ``dpdro.server``
 (algorithms, privacy ledger, engine) and ``dpdro.client`` (the work of a node, the in-process transport) <- their
 ``flower`` sub-packages (ServerApp, ClientApp, SecAgg+) <- ``dpdro.launch`` (flwr run, deployment, certificates)

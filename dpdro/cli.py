@@ -14,7 +14,7 @@
     dpdro tune --dataset D [--epsilon E] [--trials N]         Optuna search per method on a validation split
     dpdro noise-modes [--iterations N]                        central / distributed / local noise on Flower
     dpdro hazards [--seeds ...]                               one-factor changes of the tuned DP-DRO configs
-    dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/PERFORMANCE.md
+    dpdro bench [--quick] [--device cuda]                     performance ratios; writes docs/research/PERFORMANCE.md
     dpdro certs create --out DIR [--nodes N | --node NAME ...] [--host H ...] [--force]   CA, SuperLink TLS
                                                               certificate, SuperNode authentication keys
     dpdro certs add-node --out DIR NAME                       one more SuperNode key pair
@@ -191,7 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 130
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
             print(_stopped_message(cfg.out_dir), file=sys.stderr)
-            return 130
+            return 130  # main() leaves with os._exit if a client thread was interrupted mid-round
     _print_summary(result.summary, cfg.out_dir, resumed=bool(args.resume))
     return 0
 
@@ -336,7 +336,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dpdro.common.models import make_model, resolve_model
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
-    from dpdro.server.engine import check_groups, check_records, plan_run, resolve_delta
+    from dpdro.server.engine import check_groups, check_records, follow_n, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
     from dpdro.server.release import check_distributed
 
@@ -345,6 +345,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     transport = LocalTransport(cfg, train_set)
     n = transport.num_records
     check_records(cfg, n)
+    cfg, fitted = follow_n(cfg, n)  # the batches the run would use
+    for text in fitted:
+        print(text)
     module = make_model(resolve_model(cfg.model, cfg.dataset), train_set.num_classes, cfg.seed,
                         input_shape=tuple(train_set.x.shape[1:]), fix=cfg.model_fix)
     prepare_model(module, cfg.init_weights, cfg.trainable)  # the ledger's dimension: the trainable parameters
@@ -384,6 +387,8 @@ def _print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
           f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _STARTED:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")
+    if s.get("worst_still_rising"):  # server/convergence.py: worth training longer
+        print(f"note: {s['worst_still_rising']}")
 
 
 def _own_children():
@@ -459,7 +464,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return _tune_probe(args, root)
     if args.choose_posthoc_tau:
         return _tune_posthoc_tau(args, root, configs)
-    if args.transfer_from:  # no trial runs: docs/TUNING.md (the trials of searches) is left as it is
+    if args.transfer_from:  # no trial runs: docs/research/TUNING.md (the trials of searches) is left as it is
         for ds in args.dataset:
             for method, path in transfer_tuned(ds, args.transfer_from, args.epsilon, args.methods, configs).items():
                 print(f"{ds} eps {args.epsilon:g} {method}: transferred from {args.transfer_from} -> {path}")
@@ -712,11 +717,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dpdro.simulations.tuned import TUNED_CONFIGS
 
     for name, helptext in (("sweep", "run a profile's grid of runs (resumable), then write the report"),
-                           ("report", "write docs/RESULTS.md, results.csv and plots from finished sweep runs")):
+                           ("report", "write RESULTS.md, results.csv and plots from finished sweep runs")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--profile", default="quick", choices=("quick", "tuned", "paper", "smoke"))
         s.add_argument("--root", default="runs/sweep", help="folder of the sweep's run directories")
-        s.add_argument("--docs", default="docs", help="where RESULTS.md, results.csv and plots/ go")
+        s.add_argument("--docs", default="docs/research", help="where RESULTS.md, results.csv and plots/ go")
         s.add_argument("--configs", default=str(TUNED_CONFIGS.parent),
                        help="where the tuned configs are (tuned profile; default: the checkout's simulations/configs)")
         s.add_argument("--no-carry", dest="carry", action="store_false",
@@ -734,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("tune", help="Optuna search (TPE, median pruner) with the same budget per method on a "
                                     "validation split, top trials confirmed on more seeds; writes tuned configs and "
-                                    "docs/TUNING.md (not privacy-accounted); resumable")
+                                    "docs/research/TUNING.md (not privacy-accounted); resumable")
     s.add_argument("--dataset", nargs="+", default=["mnist-st"], choices=DATASETS, help="data sets to tune")
     s.add_argument("--epsilon", type=float, default=4.0)
     s.add_argument("--trials", type=int, default=20, help="finished (complete or pruned) trials per method, the "
@@ -750,14 +755,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "one, else configs/tuned/), within the same budget")
     s.add_argument("--root", default="runs/tune", help="folder of the trials' run directories")
     s.add_argument("--configs", default="simulations/configs", help="where tuned/*.toml and *-best.toml go")
-    s.add_argument("--docs", default="docs", help="where TUNING.md goes")
+    s.add_argument("--docs", default="docs/research", help="where TUNING.md goes")
     s.add_argument("--report", action="store_true", help="run nothing: write configs and TUNING.md from finished "
                                                          "trials")
     s.add_argument("--transfer-from", choices=DATASETS, metavar="SOURCE",
                    help="run nothing: write tuned configs for each --dataset from SOURCE's tuned configs (which "
                         "must exist): each method keeps its searched keys, batch sizes scale and the other keys "
                         "(e.g. CelebA's 300 iterations) follow the target; the target's data are not looked at "
-                        "and docs/TUNING.md is not touched")
+                        "and docs/research/TUNING.md is not touched")
     s.add_argument("--probe", nargs="*", metavar="KEY=VALUE",
                    help="run nothing of the search: train one hand-set point of one --methods with a trial's "
                         "protocol (validation split, trial length, the method's fixed keys), outside the budget "
@@ -775,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --choose-posthoc-tau: choose only among taus with mean validation accuracy >= A")
     s.set_defaults(all_datasets=DATASETS)
     s = sub.add_parser("audit", help="privacy audits: white-box canaries per release (--mode canary) or membership "
-                                     "inference (--mode mia: loss threshold, LiRA); writes docs/AUDIT.md")
+                                     "inference (--mode mia: loss threshold, LiRA); writes docs/research/AUDIT.md")
     s.add_argument("--mode", choices=("mia", "canary"), default="mia",
                    help="mia: membership inference on trained models; canary: empirical epsilon lower bound of "
                         "every release (and the negative controls)")
@@ -790,26 +795,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--iterations", type=int, default=200)
     s.add_argument("--algorithm", default="dp-sgd")
     s.add_argument("--root", default="runs/audit")
-    s.add_argument("--docs", default="docs")
+    s.add_argument("--docs", default="docs/research")
     s = sub.add_parser("hazards", help="one-factor changes of the tuned DP-DRO configs on MNIST-ST (ALGORITHMS.md "
-                                       "5.4); writes docs/HAZARDS.md")
+                                       "5.4); writes docs/research/HAZARDS.md")
     s.add_argument("--seeds", nargs="+", default=["0", "1", "2"])
     s.add_argument("--jobs", type=int, default=2)
     s.add_argument("--root", default="runs/hazards")
-    s.add_argument("--docs", default="docs")
+    s.add_argument("--docs", default="docs/research")
     s.add_argument("--report", action="store_true", help="run nothing: write HAZARDS.md from finished runs")
     s = sub.add_parser("noise-modes", help="central, distributed (SecAgg+) and local noise on MNIST-ST through "
-                                           "Flower; writes docs/NOISE_MODES.md")
+                                           "Flower; writes docs/research/NOISE_MODES.md")
     s.add_argument("--iterations", type=int, default=500)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--root", default="runs/noise-modes")
-    s.add_argument("--docs", default="docs")
+    s.add_argument("--docs", default="docs/research")
     s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout)")
-    s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write docs/EQUIVALENCE.md")
+    s = sub.add_parser("equivalence", help="run each dataset single-node and on Flower; write "
+                       "docs/research/EQUIVALENCE.md")
     s.add_argument("--datasets", nargs="*", help="datasets (default: all four)")
     s.add_argument("--root", default="runs/equivalence")
-    s.add_argument("--docs", default="docs")
-    s = sub.add_parser("bench", help="measure performance ratios; writes docs/PERFORMANCE.md")
+    s.add_argument("--docs", default="docs/research")
+    s = sub.add_parser("bench", help="measure performance ratios; writes docs/research/PERFORMANCE.md")
     s.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sweep (a few minutes)")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch device of the timed steps")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
@@ -817,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, default=256, help="records per vectorised chunk")
     s.add_argument("--repeats", type=int, default=0, help="interleaved repetitions (0: 5 quick, 15 default)")
     s.add_argument("--no-flower", action="store_true", help="skip (d), the Flower simulation")
-    s.add_argument("--doc", default="docs/PERFORMANCE.md", help="generated Markdown (and .json beside it)")
+    s.add_argument("--doc", default="docs/research/PERFORMANCE.md", help="generated Markdown (and .json beside it)")
     s.add_argument("--no-doc", action="store_true", help="print only, write no document")
     s.add_argument("--app", default=None, help="Flower app directory (default: this dpdro checkout) for (d)")
     s = sub.add_parser("certs", help="create TLS certificates and SuperNode authentication keys (no openssl)")
@@ -861,14 +867,28 @@ def _loaded(module: str, name: str) -> tuple[type, ...]:
     return (cls,) if cls is not None else ()
 
 
+def _leave_process(code: int) -> int:
+    """``code``, or, when a client thread is still running (a round interrupted by a second Ctrl-C, or a client
+    abandoned after its round-timeout: ``client.local_transport.busy_client_threads``), leave the process now
+    with ``code`` after flushing the output: shutting the interpreter down around a thread inside torch's C++ code
+    aborts it with "terminate called without an active exception". Every file of the run directory is already
+    complete (atomic writes; events.jsonl is fsynced), so nothing is lost. Only the console script calls this
+    (``main()`` without argv): an in-process caller keeps its interpreter."""
+    local = sys.modules.get("dpdro.client.local_transport")
+    if local is None or not local.busy_client_threads():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     global _STARTED
     _STARTED = time.perf_counter()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     args = build_parser().parse_args(argv)
-    from dpdro.common.data import DataError  # torch-free (common/data.py imports torch where tensors are built)
-
     handlers = {"train": cmd_train, "simulate": cmd_simulate, "keys": cmd_keys, "plan": cmd_plan, "sweep": cmd_sweep,
                 "report": cmd_report, "equivalence": cmd_equivalence, "audit": cmd_audit, "tune": cmd_tune,
                 "noise-modes": cmd_noise_modes, "hazards": cmd_hazards}
@@ -878,8 +898,16 @@ def main(argv: list[str] | None = None) -> int:
     handlers["bench"] = cmd_bench
     handlers["certs"] = cmd_certs
     handlers["deploy"] = cmd_deploy
+    code = _run_command(handlers[args.command], args)
+    return _leave_process(code) if argv is None else code
+
+
+def _run_command(handler, args: argparse.Namespace) -> int:
+    """The exit code of ``handler(args)``: a known error becomes one line on stderr and code 2."""
+    from dpdro.common.data import DataError  # torch-free (common/data.py imports torch where tensors are built)
+
     try:
-        return handlers[args.command](args)
+        return handler(args)
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early: not an error
         sys.stderr.close()
         return 0

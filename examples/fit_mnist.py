@@ -1,4 +1,4 @@
-"""Train with the Python API on the shipped MNIST-ST data, then use the model (issue 24 item 1).
+"""Train with the Python API on the shipped MNIST-ST data, then use the model.
 
     DPDRO_DATA_ROOT=/path/to/datasets .venv/bin/python examples/fit_mnist.py [OUT_DIR]
 

@@ -1,4 +1,4 @@
-"""Write the README's own-data walk-through files into a folder (issue 24): an image folder and a CSV table.
+"""Write the own-data tutorial's files (docs/tutorials/own-data.md) into a folder: an image folder and a CSV table.
 
     .venv/bin/python examples/make_walkthrough_data.py OUT_DIR
 

@@ -1,7 +1,7 @@
 """Containerised deployment: ``compose.yaml`` brought up with podman-compose (or ``docker compose``), nodes
 registered and a run submitted through the operator's ``cli`` service, waited on with ``flwr ls``.
 
-What it does, in order (the same steps docs/OPERATOR.md gives an operator, "Containers"):
+What it does, in order (the same steps docs/how-to/OPERATOR.md gives an operator, "Containers"):
 
 1. certificates with ``dpdro certs create`` into ``<work>/certs`` (SANs: localhost, 127.0.0.1, superlink,
    fleet-gateway); the private keys and the run folder are handed to uid 49999, the user the image runs as
@@ -17,7 +17,7 @@ What it does, in order (the same steps docs/OPERATOR.md gives an operator, "Cont
 
 Every container belongs to the compose project ``project_name``, so several deployments (or tests) on one host
 do not meet. Needs podman (with ``CONTAINERS_CONF`` pointing at containers/containers.conf where podman's
-defaults fail, see docs/OPERATOR.md) and the image built from ./Dockerfile.
+defaults fail, see docs/how-to/OPERATOR.md) and the image built from ./Dockerfile.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def container_problem(image: str, compose: Sequence[str] | None = None) -> str |
     start a container, or ``image`` not present. Cheap (one ``podman run --rm ... true``)."""
     compose = list(compose or default_compose())
     if shutil.which("podman") is None:
-        return "podman is not installed (apt-get install podman runc; see docs/OPERATOR.md)"
+        return "podman is not installed (apt-get install podman runc; see docs/how-to/OPERATOR.md)"
     if shutil.which(compose[0]) is None:
         return f"{compose[0]} is not installed (pip install podman-compose)"
     try:

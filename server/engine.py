@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common.config import AUTO, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
-from ..common.data import ArrayDataset, resolve_data_root
+from ..common.batches import fitted_to_n, over_n
+from ..common.config import AUTO, FIELD_BY_KEY, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
+from ..common.data import DATASETS, ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
@@ -33,6 +34,7 @@ from ..common.transport import Transport
 from . import setup as setup_releases
 from .algorithms import make_algorithm
 from .allocation import allocate
+from .convergence import rising_note, worst_slope
 from .diagnostics import NoiseMonitor
 from .evaluate import evaluate
 from .ledger import Ledger, auto_delta, calibrate, check_delta
@@ -40,7 +42,7 @@ from .memory import heap_mb, rss_mb
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
 from .release import check_distributed
 from .releaser import Releaser
-from .run_report import write_model_card, write_run_plots
+from .run_report import long_tailed_construction, minority_classes, write_model_card, write_run_plots
 from .rundir import RunDir, RunFileError, check_out_dir, read_json, write_json
 from .summary import run_summary, software_versions
 
@@ -49,7 +51,9 @@ log = logging.getLogger(__name__)
 # Keys that do not change what a run computes: a resumed run may differ in these.
 RUNTIME_KEYS = keys_with_role("runtime")
 # Facts about the run that config.json holds beside the config keys (written by ``train``, skipped on resume).
-RUN_FACTS = ("delta_resolved", "n", "transport", "versions")
+# data_read: the folder the evaluation records were read from (the data root, or the cache after data-root=auto
+# fell back to its copies; null for records passed from Python).
+RUN_FACTS = ("delta_resolved", "n", "transport", "versions", "data_read")
 
 
 class ResumeError(ValueError):
@@ -93,6 +97,17 @@ def check_resumed_records(rd: RunDir, n: int) -> None:
                           f"hold n = {n}: its sampling rates, delta and ledger rest on n = {saved}, so it cannot be "
                           "resumed on other data; bring back the same nodes and data, or start again in a new "
                           "out-dir")
+
+
+def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
+    """(``cfg`` with every batch key the algorithm reads left at a default above n fitted to n, one note per key
+    fitted; common/batches.py). Raises ConfigError naming every batch key set above n, with suggested values."""
+    values = cfg.to_dict()
+    problem = over_n(values, {k: f.default for k, f in FIELD_BY_KEY.items()}, n, f"n = {n} training records")
+    if problem:
+        raise ConfigError(problem)
+    fitted, notes = fitted_to_n(values, n)
+    return (cfg.with_updates(fitted) if fitted else cfg), notes
 
 
 def resolve_delta(cfg: Config, n: int) -> float:
@@ -198,9 +213,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     check_records(cfg, n)
     if resume:
         check_resumed_records(RunDir(cfg.out_dir), n)
-    for key, batch in (("refresh-batch", cfg.refresh_batch), ("diff-batch", cfg.diff_batch)):
-        if batch > n:
-            raise ConfigError(f"config key '{key}': got {batch}; allowed: at most n = {n} training records")
+    cfg, fitted = follow_n(cfg, n)  # defaults above n follow it; a set value above n is refused
     delta = resolve_delta(cfg, n)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     factory = None if module is not None else resolve_model(cfg.model, cfg.dataset)
@@ -225,13 +238,15 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         for warning in check_distributed(cfg, noise, transport.largest_shard):
             log.warning("%s", warning)
     ledger = Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant)
+    for text in fitted:
+        _note(progress, text)
     _note(progress, plan_line(n, delta, noise))
     for warning in algo.regime_warnings(noise):
         log.warning("%s", warning)
 
     rd = RunDir(cfg.out_dir)
     rd.create()
-    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions()), strict=True))
+    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions(), test.source or None), strict=True))
     meta_config = {**cfg.to_dict(), **facts}
     x0 = model.initial().double().numpy()
     releaser = Releaser(cfg, transport, ledger, n, rd)
@@ -266,6 +281,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         x, _ = algo.output(state)
         metrics = evaluate(model, x, test, cfg, prediction_shift)
         losses = metrics.pop("losses")
+        if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
+            metrics.pop("eval_dro_objective")
         return {"iteration": state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
                 **algo.eval_extras(state, losses), **algo.diagnostics(state), **releaser.monitor.take_window(),
                 "wall_seconds": wall(), "server_rss_mb": rss_mb(), "server_heap_mb": heap_mb()}
@@ -322,6 +339,10 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
                           releaser=releaser, final=final, setup=setup, spider=spider, wall_seconds=wall(),
                           transport_name=transport_name, skipped_files=test.skipped_files,
                           initial_model=initial.facts())
+    rising = rising_note(rows, cfg.iterations)
+    summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
+    if rising:
+        log.info("%s", rising)
     write_json(rd.summary, summary)
     np.save(rd.path / "final_params.npy", x)
     _write_model_outputs(rd, cfg, model, factory, x, test, setup, summary, rows, initial)
@@ -355,8 +376,12 @@ def _write_model_outputs(rd: RunDir, cfg: Config, model: FlatModel, factory: str
         if names is not None and len(names) == int(test.x.shape[1]):
             meta["feature_names"] = names
     write_model_files(rd.path, state_dict_at(model.module, params), meta)
-    plots = write_run_plots(rd.path, rows, summary, classes)
-    write_model_card(rd.path, summary, meta, plots)
+    spec = DATASETS.get_entry(cfg.dataset) if cfg.dataset in DATASETS else None
+    construction = long_tailed_construction(cfg.dataset, test.num_classes, cfg.imbalance_ratio,
+                                            spec is not None and spec.long_tailed)
+    minority = minority_classes(summary, construction)
+    plots = write_run_plots(rd.path, rows, summary, classes, minority)
+    write_model_card(rd.path, summary, meta, plots, minority)
 
 
 def _prediction_shift(cfg: Config, setup) -> np.ndarray | None:

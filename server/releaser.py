@@ -1,6 +1,6 @@
 """The releases of a run: decorate each query, collect the clients' replies under the failure policy, charge the
 ledger, add the server's noise and record the event (``Releaser``); the engine's training loop and the setup
-stage both release through it. The privacy contract of a release: docs/ALGORITHMS.md 5.2-5.3.
+stage both release through it. The privacy contract of a release: docs/explanation/ALGORITHMS.md 5.2-5.3.
 """
 
 from __future__ import annotations

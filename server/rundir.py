@@ -19,8 +19,11 @@ from ..common.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-METRIC_COLUMNS = ("iteration", "epsilon_spent", "eval_loss", "eval_dro_objective", "test_accuracy",
-                  "worst_class_accuracy", "wall_seconds", "server_rss_mb")
+# The columns of every run's metrics.csv, first and in this order; then the columns of this run only (the
+# algorithm's: AlgorithmSpec.reports, its diagnostics and eval_extras; the releases' clipped_* and noise_ratio_*;
+# worst_group_accuracy on data with groups), sorted. docs/reference/run-directory.md lists them all.
+METRIC_COLUMNS = ("iteration", "epsilon_spent", "eval_loss", "test_accuracy", "worst_class_accuracy", "wall_seconds",
+                  "server_rss_mb", "server_heap_mb")
 
 
 def _jsonable(v: Any) -> Any:
@@ -157,8 +160,9 @@ class RunDir:
             (self.path / name).unlink(missing_ok=True)
 
     def write_metrics(self, rows: list[dict]) -> None:
-        """Rewrite metrics.csv atomically: METRIC_COLUMNS, then the algorithm's scalar diagnostics and
-        objectives (e.g. eta, lambda, s, step_norm) in sorted order; lists are left out."""
+        """Rewrite metrics.csv atomically: METRIC_COLUMNS, then the run's own scalar columns (the algorithm's
+        diagnostics and objectives, e.g. eval_dro_objective, eta, lambda, s, step_norm) in sorted order; lists are
+        left out."""
         extra = sorted({k for r in rows for k, v in r.items()
                         if k not in METRIC_COLUMNS and not isinstance(v, (list, tuple, np.ndarray))})
         columns = list(METRIC_COLUMNS) + extra

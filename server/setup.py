@@ -35,13 +35,18 @@ ETA_INIT = "eta-init"
 @dataclass(frozen=True)
 class SetupResult:
     """What the setup releases gave: ``priors`` (K,) pi (None if no adjustment is configured), where they came
-    from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used) and ``group_priors``
-    (G,) of the declared group attribute (None unless dro-groups=attribute)."""
+    from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used), ``group_priors``
+    (G,) of the declared group attribute (None unless dro-groups=attribute), and ``counts`` (K,) and
+    ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels plus the Gaussian
+    noise; exact without privacy), None when no histogram was released. Reporting them is post-processing of
+    the release the ledger charged."""
 
     priors: tuple[float, ...] | None = None
     prior_source: str = "none"
     eta0: float | None = None
     group_priors: tuple[float, ...] | None = None
+    counts: tuple[float, ...] | None = None
+    group_counts: tuple[float, ...] | None = None
 
     def dro_priors(self, cfg) -> tuple[float, ...] | None:
         """The priors of dro-level=group's groups: the group attribute's or the classes'."""
@@ -55,15 +60,21 @@ class SetupResult:
 
     def to_json(self) -> dict:
         """JSON-friendly form (for checkpoints)."""
-        return {"priors": list(self.priors) if self.priors is not None else None, "prior_source": self.prior_source,
-                "eta0": self.eta0, "group_priors": list(self.group_priors) if self.group_priors is not None else None}
+        def listed(v):
+            return list(v) if v is not None else None
+
+        return {"priors": listed(self.priors), "prior_source": self.prior_source, "eta0": self.eta0,
+                "group_priors": listed(self.group_priors), "counts": listed(self.counts),
+                "group_counts": listed(self.group_counts)}
 
     @classmethod
     def from_json(cls, d: dict) -> SetupResult:
         """Inverse of ``to_json``."""
-        priors, groups = d.get("priors"), d.get("group_priors")
-        return cls(tuple(priors) if priors is not None else None, d.get("prior_source", "none"), d.get("eta0"),
-                   tuple(groups) if groups is not None else None)
+        def tupled(key):
+            return tuple(d[key]) if d.get(key) is not None else None
+
+        return cls(tupled("priors"), d.get("prior_source", "none"), d.get("eta0"), tupled("group_priors"),
+                   tupled("counts"), tupled("group_counts"))
 
 
 def mechanisms(cfg) -> dict[Mechanism, int]:
@@ -120,9 +131,12 @@ def initial(cfg, num_classes: int) -> SetupResult:
 def absorb(result: SetupResult, released: dict[str, np.ndarray], n: int, cfg) -> SetupResult:
     """Fold one stage's released means (sums / n) into the result."""
     if HISTOGRAM in released:
-        result = replace(result, priors=priors_from_counts(released[HISTOGRAM] * n), prior_source="private")
+        counts = np.asarray(released[HISTOGRAM], dtype=np.float64) * n
+        result = replace(result, priors=priors_from_counts(counts), prior_source="private",
+                         counts=tuple(float(c) for c in counts))
     if GROUP_HISTOGRAM in released:
-        result = replace(result, group_priors=priors_from_counts(released[GROUP_HISTOGRAM] * n))
+        counts = np.asarray(released[GROUP_HISTOGRAM], dtype=np.float64) * n
+        result = replace(result, group_priors=priors_from_counts(counts), group_counts=tuple(float(c) for c in counts))
     if ETA_INIT in released:
         mean_loss = float(released[ETA_INIT][0])
         result = replace(result, eta0=mean_loss / cfg.eta_scale)

@@ -1,5 +1,5 @@
 """What a finished run reports: the summary.json of a run directory, with the trust statement (who its epsilon
-holds against) and the list of what is not privacy-accounted (README: 'What is private')."""
+holds against) and the list of what is not privacy-accounted (docs/explanation/privacy.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.config import SEEDED_NOT_PRIVATE, Config
 from .allocation import proxy_variance
 from .ledger import Ledger
@@ -47,19 +48,29 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
         **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
-        "eval_dro_objective": final["eval_dro_objective"], "psi": cfg.psi, "lambda": cfg.lambda_,
-        **{k: v for k, v in final.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_dro_objective")},
+        **{k: v for k, v in final.items() if k.startswith("eval_") and k != "eval_loss"},
+        **algorithm_fields(cfg, setup, spider),
         "logit_adjust_tau": cfg.tau, "posthoc_tau": cfg.posthoc_tau, "class_prior": setup.prior_source,
-        "priors": list(setup.priors) if setup.priors is not None else None, "eta0": setup.eta0,
-        "dro_clip": cfg.dro_clip, "spider_noise": spider,
+        "priors": list(setup.priors) if setup.priors is not None else None,
+        **({"class_counts": list(setup.counts)} if setup.counts is not None else {}),
+        **({"group_counts": list(setup.group_counts)} if setup.group_counts is not None else {}),
         "output_iterate": cfg.output_iterate, "wall_seconds": wall_seconds, "transport": transport_name,
         "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
         **(initial_model or {}), "not_accounted": not_accounted(cfg, setup),
     }
 
 
+def algorithm_fields(cfg: Config, setup, spider: dict) -> dict:
+    """The summary fields of ``REPORTABLE`` that the run's algorithm declares (``AlgorithmSpec.reports``) other than
+    eval_dro_objective, which comes with the evaluation row: a baseline's summary carries no DRO setting it never
+    used."""
+    values = {"psi": cfg.psi, "lambda": cfg.lambda_, "dro_clip": cfg.dro_clip, "eta0": setup.eta0,
+              "spider_noise": spider}
+    return {k: values[k] for k in ALGORITHM_SPECS[cfg.algorithm].reports if k in values}
+
+
 def trust_statement(cfg: Config, transport_name: str) -> str:
-    """Who the epsilon of this run holds against (README: noise modes)."""
+    """Who the epsilon of this run holds against (docs/explanation/privacy.md, 'Noise mode')."""
     if not cfg.private:
         return "not private: no noise anywhere"
     if cfg.noise_from_saved_seed:
@@ -78,7 +89,7 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
 
 
 def not_accounted(cfg: Config, setup) -> list[str]:
-    """What this run's epsilon does not cover (README: 'What is private'), one sentence each; ``setup`` gives the
+    """What this run's epsilon does not cover (docs/explanation/privacy.md), one sentence each; ``setup`` gives the
     prior source. Includes each choice that config key chosen-on-private-data says was made on private records."""
     out = [] if cfg.private else ["everything: epsilon=inf, no clipping and no noise (not private)"]
     if cfg.noise_from_saved_seed:
@@ -98,7 +109,7 @@ def not_accounted(cfg: Config, setup) -> list[str]:
                    "reported per release) is not modelled by the Gaussian accounting")
     # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
     # client) keeps them the same in neighbouring data sets (server/ledger.py)
-    if cfg.private:  # assumptions every private run makes (README, 'What is private')
+    if cfg.private:  # assumptions every private run makes (docs/explanation/privacy.md)
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
                 "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
@@ -111,7 +122,7 @@ def not_accounted(cfg: Config, setup) -> list[str]:
 # What not_accounted says for each item of config key chosen-on-private-data (common.config.CHOSEN_ON_PRIVATE).
 CHOSEN_ON_PRIVATE_TEXT = {
     "hyper-parameters": "hyper-parameters chosen on a validation split of the private training records (a search "
-                        "such as dpdro tune, whose trials docs/TUNING.md lists): not accounted",
+                        "such as dpdro tune, whose trials docs/research/TUNING.md lists): not accounted",
     "model": "the method or model kept, among several trained, for its metrics on a validation split of the private "
              "training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "

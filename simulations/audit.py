@@ -14,7 +14,7 @@ the target model's training set (member) or not (non-member), half and half. Att
 Reported: ROC AUC and TPR at 1% FPR over all records, per epsilon (inf: non-private training). A DP
 model bounds any attack's TPR by e^epsilon FPR + delta; with few shadows and short runs these are coarse
 estimates, a sanity check and not a proof. The white-box audit with power is ``--mode canary``
-(simulations/canary_audit.py); each mode rewrites only its own section of docs/AUDIT.md.
+(simulations/canary_audit.py); each mode rewrites only its own section of docs/research/AUDIT.md.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _scores(params: np.ndarray, data: ArrayDataset, seed: int) -> tuple[np.ndarr
 
 def run_audit(epsilons: list[float], shadows: int, records: int, iterations: int, root: Path, docs: Path,
               algorithm: str = "dp-sgd") -> Path:
-    """Train target and shadow models per epsilon, attack, write the 'mia' section of docs/AUDIT.md (the canary
+    """Train target and shadow models per epsilon, attack, write the 'mia' section of docs/research/AUDIT.md (the canary
     section is kept); returns its path."""
     from tqdm import tqdm
 

@@ -1,5 +1,5 @@
 """``dpdro bench``: the performance figures, measured as ratios inside one process, and the
-generated docs/PERFORMANCE.md.
+generated docs/research/PERFORMANCE.md.
 
 Figures (all on the same model and batch; compared variants are interleaved repetition by repetition,
 alternating which runs first, and each ratio is the median of the per-repetition ratios, so that load
@@ -73,7 +73,7 @@ class BenchOptions:
     chunk_size: int = 256
     repeats: int = 0
     flower: bool = True
-    doc: str | None = "docs/PERFORMANCE.md"
+    doc: str | None = "docs/research/PERFORMANCE.md"
     app_dir: str = "."
     sweep: list = field(default_factory=list)
 
@@ -507,7 +507,7 @@ def _verdict(value: float, target: float, strict: bool = False) -> str:
 
 
 def render(res: dict) -> str:
-    """The Markdown of docs/PERFORMANCE.md from the results of ``run_bench``."""
+    """The Markdown of docs/research/PERFORMANCE.md from the results of ``run_bench``."""
     m0, m1, s, e = res["machine_start"], res["machine_end"], res["steps"], res["ledger"]
     shared = max(m0["load_average"][0], m1["load_average"][0]) > 0.5
     lines = [

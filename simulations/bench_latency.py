@@ -1,7 +1,8 @@
 """Seconds per message round on a real loopback deployment (TLS + SuperNode authentication, 2 SuperNodes):
 dpdro's DP Double-SPIDER next to Flower's own FedAvg strategy on the same SuperLink and SuperNodes.
 
-    .venv/bin/python simulations/bench_latency.py [--rounds 5] [--iterations 4] [--write docs/DEPLOYMENT_LATENCY.md]
+    .venv/bin/python simulations/bench_latency.py [--rounds 5] [--iterations 4]
+        [--write docs/research/DEPLOYMENT_LATENCY.md]
 
 - FedAvg: ``simulations/fedavg_app`` (Flower's ``FedAvg``, ``send_and_receive``, a float32 array of our CNN's
   size, 26,106 values, to each node and back, no training); time of each round from the strategy's

@@ -4,7 +4,7 @@
 
 Each dataset runs a short DP Double-SPIDER (central noise, float64, reproducible mode, same seed) once
 in-process and once on Flower's simulation engine (the real ``flwr run``), then the table in
-docs/EQUIVALENCE.md gives the largest absolute parameter difference and the differences in test
+docs/research/EQUIVALENCE.md gives the largest absolute parameter difference and the differences in test
 accuracy, worst-class/worst-group accuracy and epsilon spent. A dataset whose files are missing is listed
 as not run, never faked.
 """

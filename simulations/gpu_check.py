@@ -9,7 +9,7 @@ batches 1024/512, q 10, threads 0) except ``iterations`` (default 400 of the pap
 while less than ``--budget-seconds`` have passed, and the ones left out are listed as not run. ``--tiny`` shrinks
 everything (a few records and iterations) so that the same code is tested on a CPU in seconds
 (tests/test_gpu_check.py). Nothing here is tuned: the figures check that the GPU path works and how fast it is,
-they are not results for docs/RESULTS.md's tables.
+they are not results for docs/research/RESULTS.md's tables.
 
 Outputs under ``--out``: ``runs/paper/cifar10-st/<method>/eps4/seed0/`` (ordinary run directories),
 ``PERFORMANCE-<device>.md`` and ``.json`` (``dpdro bench --quick --no-flower`` with ResNet20 and the CIFAR CNN in

@@ -23,7 +23,7 @@ A second block asks whether DRO adds anything on top of the strongest simple bas
 tuned dp-sgd-la setting (its step size, batches, post-hoc tau, logit-adjusted loss), with either DRO clip. These
 rows are evaluated on the test split and are a diagnostic, not a tuned result (nothing is selected on them).
 
-docs/HAZARDS.md lists, per variant, test accuracy and worst-class accuracy (mean +/- std over seeds), the
+docs/research/HAZARDS.md lists, per variant, test accuracy and worst-class accuracy (mean +/- std over seeds), the
 fraction of SPIDER phases whose differences added more noise than their refresh, the mean accumulated
 difference-to-refresh noise ratio, and the mean (noisy) clipped fraction of the x refreshes and differences.
 """
@@ -106,7 +106,7 @@ def _slug(label: str) -> str:
 
 
 def run_hazards(seeds: list[int], root: Path, docs: Path, jobs: int = 2) -> Path:
-    """Run every variant x seed not finished yet (``jobs`` at a time), then write docs/HAZARDS.md."""
+    """Run every variant x seed not finished yet (``jobs`` at a time), then write docs/research/HAZARDS.md."""
     from ..server.rundir import continue_keys
     from .runner import run_many
 
@@ -146,7 +146,7 @@ def _privacy_words(summaries: list[dict]) -> str:
 
 
 def write_hazards(seeds: list[int], root: Path, docs: Path) -> Path:
-    """docs/HAZARDS.md from the finished variant runs (module docstring: the columns)."""
+    """docs/research/HAZARDS.md from the finished variant runs (module docstring: the columns)."""
     header = ["| variant | test accuracy | worst-class accuracy | noise-dominated phases | phase noise ratio | "
               "clipped (refresh / diff) |", "|---|---|---|---|---|---|"]
     lines = [*header]  # the title and the protocol line go on top once every tabled summary is read
@@ -163,7 +163,7 @@ def write_hazards(seeds: list[int], root: Path, docs: Path) -> Path:
             continue
         sums = [json.loads((r / "summary.json").read_text()) for r in runs]
         tabled += sums
-        phases = [s["spider_noise"] for s in sums]
+        phases = [s["spider_noise"] for s in sums if "spider_noise" in s]  # a method without SPIDER has none
         dominated = [p["phases_noise_dominated"] / p["phases"] for p in phases if p["phases"]]
         ratio = [p["mean_phase_noise_ratio"] for p in phases if p["mean_phase_noise_ratio"] is not None]
         group = json.loads((runs[0] / "config.json").read_text()).get("dro-level") == "group"

@@ -4,7 +4,7 @@
 
 Runs the main job's configuration (simulations/configs/main.toml: the tuned best for MNIST-ST at epsilon 4, 4
 clients) with noise-mode central,
-distributed (SecAgg+) and local, and writes docs/NOISE_MODES.md: accuracy, worst-class accuracy, epsilon of the
+distributed (SecAgg+) and local, and writes docs/research/NOISE_MODES.md: accuracy, worst-class accuracy, epsilon of the
 outputs, epsilon against the server, the largest SecAgg+ quantisation error relative to the noise std, and
 wall time. Every figure comes from the runs' own summary.json and events.jsonl.
 """
@@ -29,7 +29,7 @@ def base_keys(path: Path = MAIN) -> dict:
 
 
 def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Path("."), seed: int = 0) -> Path:
-    """Run each mode on Flower (skipping finished runs) and write docs/NOISE_MODES.md."""
+    """Run each mode on Flower (skipping finished runs) and write docs/research/NOISE_MODES.md."""
     from ..launch.simulate import run_simulation
     from ..server.rundir import RunDir, continue_keys, read_json
 

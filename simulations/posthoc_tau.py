@@ -24,7 +24,7 @@ rule for every method:
    by ``objective.choose_by_terms`` among the taus whose mean accuracy is at least ``--min-accuracy``.
 3. Rewrite the file's posthoc-tau, add 'posthoc-tau' to its key chosen-on-private-data (so that a run of the file
    lists the choice under not_accounted) and add a comment line that carries ``tuned.RECHOSEN_MARK``, the command,
-   the models and the figures of the chosen and the previous tau (docs/RESULTS.md names such methods).
+   the models and the figures of the chosen and the previous tau (docs/research/RESULTS.md names such methods).
 
 Not privacy-accounted, like the search itself: tau depends on noiseless validation metrics of private training
 records. Applying a tau is post-processing of the released model and priors; choosing it on private records is not.

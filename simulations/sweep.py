@@ -2,7 +2,7 @@
 
     dpdro sweep --profile quick [--transport local|flower] [--root runs/sweep] [--only-dataset D ...]
                 [--only-method A ...] [--only-epsilon E ...] [--only-seed S ...]
-    dpdro report [--root runs/sweep] [--profile tuned]      -> docs/RESULTS.md, docs/results.csv, docs/plots/
+    dpdro report [--root runs/sweep] [--profile tuned]      -> docs/research/: RESULTS.md, results.csv, plots/
 
 Each run writes its own run directory ``<root>/<profile>/<dataset>/<algorithm>/eps<e>/seed<s>``; a run whose
 summary.json exists is skipped, so an interrupted sweep continues where it stopped. Every number in the
@@ -57,7 +57,7 @@ PROFILES = {
               "eval-every": 2, "max-train-records": 1000, "max-test-records": 200},
     ),
     # Every method with its hyper-parameters tuned at epsilon 4 (`dpdro tune`), at epsilon 1, 4 and 8, 3 seeds,
-    # evaluated on the test split: the tables of docs/RESULTS.md.
+    # evaluated on the test split: the tables of docs/research/RESULTS.md.
     "tuned": Profile(
         "tuned", ("mnist-st", "fashion-mnist-st", "celeba", "cifar10-st"),
         ("dp-sgd", "dp-sgd-la", "dp-double-spider", "recursive-spider", "dp-sgda", "dp-sgd-dual", "dp-spiderboost"),
@@ -275,8 +275,8 @@ def _typed(row: dict) -> dict:
 
 
 def carried_rows(previous: Path, planned: list[Config], have: list[dict]) -> list[dict]:
-    """The rows of an earlier results CSV (``previous``, e.g. docs/results.csv) for planned runs that have no run
-    directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
+    """The rows of an earlier results CSV (``previous``, e.g. docs/research/results.csv) for planned runs that
+    have no run directory here (no row in ``have``), kept only when the row's config_sha is the planned run's
     ``config_fingerprint``: the same experiment, run on another machine or before this one was wiped; also when it is
     the fingerprint under LEGACY_DEFAULTS (the same keys under the defaults before 2026-12-02; the row's delta and
     accountant columns say so and the tables mark it). A row without config_sha, or of a configuration that has
@@ -295,19 +295,19 @@ def carried_rows(previous: Path, planned: list[Config], have: list[dict]) -> lis
 
 
 def carried_curves(previous: Path, kept: list[dict]) -> list[dict]:
-    """The rows of an earlier training-curves CSV (``previous``, e.g. docs/curves.csv) of the runs ``kept`` from the
-    earlier results CSV (``carried_rows``): same cell, same config_sha."""
+    """The rows of an earlier training-curves CSV (``previous``, e.g. docs/research/curves.csv) of the runs
+    ``kept`` from the earlier results CSV (``carried_rows``): same cell, same config_sha."""
     want = {_cell(r): r["config_sha"] for r in kept}
     return [{**_typed(r), "iteration": int(r["iteration"])} for r in _read_csv(previous)
             if r.get("config_sha") and want.get(_cell(r)) == r["config_sha"]]
 
 
 def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None = None, carry: bool = True) -> Path:
-    """Write the results document (docs/RESULTS.md for the tuned profile, docs/RESULTS-<profile>.md for the
-    others), docs/results[-<profile>].csv, the training curves they plot (docs/curves[-<profile>].csv) and
-    docs/plots/*.png from the finished runs under ``root`` and, with ``carry``, the rows of the previous CSVs that
-    ``carried_rows`` keeps (runs of the same configuration whose directories are not on this machine). The CSVs
-    are replaced atomically."""
+    """Write the results document (RESULTS.md for the tuned profile, RESULTS-<profile>.md for the others),
+    results[-<profile>].csv, the training curves they plot (curves[-<profile>].csv) and plots/*.png into ``docs``
+    (docs/research by default) from the finished runs under ``root`` and, with ``carry``, the rows of the
+    previous CSVs that ``carried_rows`` keeps (runs of the same configuration whose directories are not on this
+    machine). The CSVs are replaced atomically."""
     from collections import defaultdict
 
     profile = PROFILES[profile_name]
@@ -450,7 +450,7 @@ def _plot_curves(curves: list[dict], profile: Profile, folder: Path) -> list[Pat
 
 
 def _prefix(profile: Profile) -> str:
-    """Plot file prefix: none for the tuned profile (docs/RESULTS.md), '<profile>_' for the others."""
+    """Plot file prefix: none for the tuned profile (docs/research/RESULTS.md), '<profile>_' for the others."""
     return "" if profile.name == "tuned" else f"{profile.name}_"
 
 

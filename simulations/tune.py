@@ -42,13 +42,13 @@ test split:
     simulations/configs/tuned/<dataset>-eps<e>-<method>.toml     one per method
     simulations/configs/<dataset>-eps<e>-best.toml               the best method's (the overall winner)
 
-and every trial's validation figures go to ``docs/TUNING.md`` (``dpdro tune --report`` writes both from the
+and every trial's validation figures go to ``docs/research/TUNING.md`` (``dpdro tune --report`` writes both from the
 storage and runs nothing).
 
 ``dpdro tune --dataset D --transfer-from S`` runs no trial: it writes D's tuned files from S's, keeping each
 method's searched keys (batch sizes in units of the data set's 'batch-scale') and taking everything else from
 D's trial keys. Nothing of D is then looked at to choose the hyper-parameters, so the choice costs D no privacy
-at all; the files' first line and docs/RESULTS.md say where they came from.
+at all; the files' first line and docs/research/RESULTS.md say where they came from.
 
 Not privacy-accounted: the search reads noiseless validation metrics of private training records, so the
 chosen hyper-parameters depend on the private data beyond the runs' epsilon (the standard practice the
@@ -653,7 +653,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, co
                   f"trial {win['trial']} of {method} ({budget_line(record)}), mean over {win['seeds']} seed(s): "
                   f"validation worst {win['val_worst']:.4f}, two lowest {win['val_two_lowest']:.4f}, accuracy "
                   f"{win['val_accuracy']:.4f}.\n# Trains on the whole training split, evaluates on the test split. "
-                  "The search itself is not privacy-accounted (docs/TUNING.md).\n")
+                  "The search itself is not privacy-accounted (docs/research/TUNING.md).\n")
         write_toml(tuned_config_path(dataset, epsilon, method, configs / "tuned"), keys, header)
     if winners:
         method, win = max(winners.items(), key=lambda kv: kv[1]["score"])  # ties: the first (baselines first)
@@ -662,7 +662,7 @@ def write_tuned(dataset: str, epsilon: float, methods: list[str], root: Path, co
         header = (f"# Best configuration for {dataset} at epsilon {epsilon:g} over {', '.join(winners)} "
                   f"({budget_line(record)} each, selected on the validation score): {method}, trial "
                   f"{win['trial']}.\n# Run: dpdro train --config <this file>. The search is not "
-                  "privacy-accounted (docs/TUNING.md).\n")
+                  "privacy-accounted (docs/research/TUNING.md).\n")
         write_toml(configs / f"{dataset}-eps{epsilon:g}-best.toml", keys, header)
     return winners
 
@@ -732,7 +732,7 @@ def _fmt(value) -> str:
 
 
 def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Path, docs: Path) -> Path:
-    """docs/TUNING.md: per (dataset, epsilon) the budget, every trial's state, searched keys and validation
+    """docs/research/TUNING.md: per (dataset, epsilon) the budget, every trial's state, searched keys and validation
     figures, and the confirmation of each method's top trials (atomic write)."""
     from optuna.trial import TrialState
 

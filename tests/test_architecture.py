@@ -1,4 +1,4 @@
-"""The import layers of docs/DEVELOPING.md hold (import-linter contracts in pyproject.toml), and a new upward
+"""The import layers of CONTRIBUTING.md hold (import-linter contracts in pyproject.toml), and a new upward
 import makes this test fail."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Correctness of the performance work (issue 9), no timing assertions: torch.func per-record gradients of
+"""Correctness of the performance work, no timing assertions: torch.func per-record gradients of
 the larger models equal single-record autograd, chunked sums equal unchunked ones, the clipped sum equals
 clip-then-sum, the ResNet20 is GroupNorm-only, and a tiny ``dpdro bench`` run yields every ratio as a finite
 number and writes its document."""

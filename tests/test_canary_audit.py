@@ -1,4 +1,4 @@
-"""The white-box canary audit (issue 25): its statistics on known distributions, its canaries, the releases it
+"""The white-box canary audit: its statistics on known distributions, its canaries, the releases it
 reaches, and the smoke version of the negative control (a broken mechanism is caught, a correct one is not)."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_audit_refuses_unknown_names_before_any_work():
         audit_config("dp-sgd", mechanisms=("x-diff",), trials=2, max_releases=1)
 
 
-def test_smoke_negative_control_is_caught_and_the_correct_release_is_not_flagged():  # in CI (issue 25): ~20 s CPU
+def test_smoke_negative_control_is_caught_and_the_correct_release_is_not_flagged():  # in CI: ~20 s CPU
     """dp-sgd's release (rate 1/2, claim 4 per release) through the product path. With half the calibrated
     noise the lower bound exceeds the claim (expected about 5.4 at 200k trials, spread about 0.3); the correct
     release stays below its claim (expected about 2.3 at 100k trials) and within 3x of it (the audit has power)."""

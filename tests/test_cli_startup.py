@@ -1,4 +1,4 @@
-"""Issue 24, item 6: what a newcomer hit at the command line.
+"""What a newcomer hit at the command line.
 
 - `dpdro --help`, `dpdro keys` and one-line configuration errors import no torch, Flower, matplotlib, tqdm or
   dp-accounting (each took 12-43 s on a loaded machine): checked through the import graph of a fresh process,

@@ -1,5 +1,5 @@
 """Clipping is exact to the bound in the working dtype, and the server's reply check accepts every honest
-reply (issue 21, item 2): a float32 record clipped to norm 1.0000012 > 1 used to be rejected as malformed, so
+reply: a float32 record clipped to norm 1.0000012 > 1 used to be rejected as malformed, so
 whether a reply passed depended on which records were sampled."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Containers for real (issue 27): build the image from ./Dockerfile with podman, bring up compose.yaml (TLS SuperLink
+"""Containers for real: build the image from ./Dockerfile with podman, bring up compose.yaml (TLS SuperLink
 with SuperNode authentication, the Fleet-only gateway, 2 SuperNodes each with its own data folder, their executors)
 and run the main job's configuration (simulations/configs/main.toml) for 2 iterations on 4,000 MNIST-ST records
 through `flwr run`.
@@ -103,7 +103,7 @@ def test_containerised_round_runs_main_config(tmp_path):
 
     _env_conf()
     if shutil.which("podman") is None:
-        _skip_or_fail("podman is not installed (apt-get install podman runc; docs/OPERATOR.md)")
+        _skip_or_fail("podman is not installed (apt-get install podman runc; docs/how-to/OPERATOR.md)")
     if shutil.which("iptables") is None:  # netavark runs it for every container network (.ci/install-podman)
         _skip_or_fail("iptables is not installed: podman's netavark needs it (apt-get install iptables)")
     base = _base_image()

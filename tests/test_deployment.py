@@ -73,7 +73,7 @@ def test_cli_certs_refuses_then_forces(tmp_path, capsys):
     assert (tmp_path / "hospital-3.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
 
 
-# ----- Fleet-only gateway (issue 21 item 6) ------------------------------------------------------------------
+# ----- Fleet-only gateway ------------------------------------------------------------------
 def _assert_site_port_refuses_control_api(dep, home: Path) -> None:
     """A party holding only ca.crt and the site-facing (Fleet) address cannot register a SuperNode key or list
     runs: every Control API call through that port fails, and the operator still sees only its own nodes."""
@@ -212,7 +212,7 @@ def _site_csv(path: Path, n: int, seed: int, lo: float, hi: float) -> None:
 
 @pytest.mark.flower
 def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
-    """Issue 24, item 4: two SuperNodes, each with its own CSV file (120 and 80 records from different parts of
+    """Two SuperNodes, each with its own CSV file (120 and 80 records from different parts of
     the feature space) named only in its node config (data-root, dataset), partition='node-local': nothing is
     partitioned centrally, the server holds only its evaluation file and learns the shard sizes, so the ledger's
     n is 120 + 80; the global model trains (test accuracy from 0.47 at iteration 0 to >= 0.7 after 4 iterations).
@@ -390,15 +390,15 @@ def test_dockerfile_base_wheels_and_ca_are_build_arguments():
 
 
 def test_operator_guide_mentions_tested_commands():
-    text = (ROOT / "docs" / "OPERATOR.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "OPERATOR.md").read_text()
     for needle in ("flwr supernode register", "flwr supernode unregister", "--enable-supernode-auth",
                    "--auth-supernode-private-key", "--root-certificates", "dpdro certs create", "dpdro deploy",
                    "CONTAINERS_CONF", "podman-compose", "make-base.sh", "--node-data-root", "partition=node-local"):
         assert needle in text, needle
-    assert os.path.exists(ROOT / "docs" / "DEPLOYMENT_LATENCY.md")
+    assert os.path.exists(ROOT / "docs" / "research" / "DEPLOYMENT_LATENCY.md")
 
 
-# ----- simulate never uses a foreign SuperLink (issue 21 item 7) ---------------------------------------------
+# ----- simulate never uses a foreign SuperLink ---------------------------------------------
 def _tiny_run(out: Path) -> dict:
     return {"num-clients": 2, "iterations": 1, "q": 1, "max-train-records": 2000, "max-test-records": 200,
             "threads": 1, "eval-every": 1, "out-dir": str(out)}
@@ -450,7 +450,7 @@ def test_simulate_never_submits_to_a_foreign_superlink(tmp_path, monkeypatch):
     assert not list((tmp_path / "flwr").glob("dpdro-cli-*"))
 
 
-# ----- SIGTERM stops every child (issue 21 item 8) ------------------------------------------------------------
+# ----- SIGTERM stops every child ------------------------------------------------------------
 def _marked(marker: str) -> dict[int, str]:
     """PID -> command line of every process whose environment holds ``marker`` (inherited by all
     descendants of the process started with it)."""

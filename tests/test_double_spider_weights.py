@@ -1,4 +1,4 @@
-"""DP Double-SPIDER's dual variable and DRO weights under clipping (issue 22, items 1-2; ALGORITHMS.md 3.1).
+"""DP Double-SPIDER's dual variable and DRO weights under clipping (ALGORITHMS.md 3.1).
 
 - eta-clip-rule=weight-bound: with noise 0 and the full batch, eta's fixed point is the exact dual optimum
   (computed non-privately by ``dro_objective`` or an independent bisection), per psi; the fixed clip misses it

@@ -171,7 +171,7 @@ def test_resume_refuses_when_lost_releases_leave_too_little_budget(small_config,
 
 
 def test_resumed_run_writes_the_events_summary_and_progress_of_an_uninterrupted_one(small_config, tmp_path):
-    """Issue 21, item 10: after --resume the first difference events lacked noise_ratio_to_refresh,
+    """After --resume the first difference events lacked noise_ratio_to_refresh,
     spider_noise.phases undercounted and the progress bar restarted at 0. The noise monitor is now
     checkpointed and the progress starts at the checkpoint's iteration."""
     from dpdro.server.engine import Progress
@@ -233,7 +233,7 @@ def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_sup
     assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
     assert summary["test_accuracy"] == local.summary["test_accuracy"]
     assert summary["releases"] == local.summary["releases"]
-    # the ServerApp writes the same usable model files as a single-node run (issue 24 item 5)
+    # the ServerApp writes the same usable model files as a single-node run
     from dpdro.server.model_files import load_model
 
     model, spec = load_model(tmp_path / "flower")

@@ -1,4 +1,4 @@
-"""The parts engine.py was split into (issue 20): one counter codec, the server's view as a second Ledger, the
+"""The parts engine.py was split into: one counter codec, the server's view as a second Ledger, the
 Transport protocol's quantisation bound and the named Reply markers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Smoke versions of the experiment pipelines on real data (issue 12): a sweep over MNIST-ST,
+"""Smoke versions of the experiment pipelines on real data: a sweep over MNIST-ST,
 Fashion-MNIST-ST and CelebA, its report and plots, resumability, and the federated = single-node command."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``dpdro export --format onnx`` (issue 24 item 5): the ONNX file's logits equal the torch model's to 1e-5 and
+"""``dpdro export --format onnx``: the ONNX file's logits equal the torch model's to 1e-5 and
 its 'predicted' output equals ``dpdro predict`` (post-hoc adjustment included), for any batch size; without the
 optional extra dpdro[onnx] the command says which extra to install, before any work."""
 

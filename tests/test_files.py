@@ -1,4 +1,4 @@
-"""Files a user or an attacker may hand us (issue 21 items 3, 4 and 9): run directories are never replaced
+"""Files a user or an attacker may hand us: run directories are never replaced
 silently, an explicit data root must hold the data, and corrupt or hand-edited files give one clear line
 naming the file and what to do, before any work and without overwriting anything."""
 

@@ -1,4 +1,4 @@
-"""Group-level DRO (dro-level=group) in DP Double-SPIDER and Recursive-Spider (issue 22 item 3; ALGORITHMS.md 3.3,
+"""Group-level DRO (dro-level=group) in DP Double-SPIDER and Recursive-Spider (ALGORITHMS.md 3.3,
 4.3): with the full batch and no noise both telescope to exact gradient steps on their group-level objectives,
 computed here independently; the per-record quantities and the release clips are what the docstrings state."""
 

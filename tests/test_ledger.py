@@ -462,7 +462,7 @@ def test_noisy_mean_has_declared_std():
     assert np.array_equal(a, b)
 
 
-# ---- (f) delta against n (issue 21 item 5) ----
+# ---- (f) delta against n ----
 
 @pytest.mark.parametrize("delta,n,given", [(0.5, 20, 0.5), (0.05, 20, 0.05), (1.0, 1, "auto"), (0.01, 100, 0.01)])
 def test_check_delta_refuses_delta_of_one_over_n_or_more(delta, n, given):

@@ -1,4 +1,4 @@
-"""A model you can use (issue 24 items 1 and 5): every run writes model.pt + model.json (loadable into a fresh
+"""A model you can use: every run writes model.pt + model.json (loadable into a fresh
 model), MODEL_CARD.md and plots; ``dpdro predict`` on the test split repeats the run's reported accuracy
 exactly; ``dpdro evaluate`` prints accuracy and worst-class accuracy and writes a confusion matrix; the Python
 API ``dpdro.fit`` gives the same parameters as ``dpdro train`` for the same keys and seed.
@@ -12,6 +12,7 @@ import csv
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -417,10 +418,15 @@ def _card_evaluate_args(run) -> list[str]:
     return shlex.split(line.split("#")[0])[1:]
 
 
-def test_the_card_evaluate_command_of_a_data_set_run_repeats_its_accuracy(finished, capsys):
+def test_the_card_evaluate_command_of_a_data_set_run_repeats_its_accuracy(finished, capsys, monkeypatch, tmp_path):
     run, summary = finished
+    card = (run / "MODEL_CARD.md").read_text()
+    assert str(run) not in card and "--run ." in card  # paths relative to the run folder: a copy keeps a right card
+    copied = tmp_path / "copied-run"
+    shutil.copytree(run, copied)
+    monkeypatch.chdir(copied)  # the card's commands run from the (copied) run folder
     capsys.readouterr()
-    assert main(_card_evaluate_args(run)) == 0
+    assert main(_card_evaluate_args(copied)) == 0
     assert f"accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out
 
 
@@ -431,6 +437,7 @@ def test_the_card_evaluate_command_of_an_entry_point_run_repeats_its_accuracy(tm
                           "refresh-batch": 60, "diff-batch": 60, "out-dir": run})
     assert json.load(open(run / "config.json"))["dataset"] == "user_code:blobs"
     assert "`user_code:blobs`: its module must be importable" in (run / "MODEL_CARD.md").read_text()
+    monkeypatch.chdir(run)
     capsys.readouterr()
     assert main(_card_evaluate_args(run)) == 0
     assert f"accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out
@@ -451,7 +458,9 @@ def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(t
     assert "dpdro evaluate --run" not in card and "records passed from Python" in card
     # the card's Python snippet runs as written, given the user's held-out records, and repeats the accuracy
     capsys.readouterr()
-    exec(_card_block(card, "python"), {"x_test": x[300:], "y_test": y[300:]})  # noqa: S102 - the card's own code
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(run)  # the card's code runs from the run folder
+        exec(_card_block(card, "python"), {"x_test": x[300:], "y_test": y[300:]})  # noqa: S102 - the card's own code
     printed = capsys.readouterr().out
     assert f"'accuracy': {result.summary['test_accuracy']}" in printed
     # the same held-out records as a torch Dataset of (input, label) items give the same evaluation

@@ -1,4 +1,4 @@
-"""Noise modes (issue 7): central, distributed (client shares, SecAgg+ on Flower) and local; dropouts that keep
+"""Noise modes: central, distributed (client shares, SecAgg+ on Flower) and local; dropouts that keep
 the released noise std and the ledger; the guarantee against the server; cryptographically seeded noise."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adding a plug-in takes one file plus its registration (docs/DEVELOPING.md): a toy algorithm (with its own
+"""Adding a plug-in takes one file plus its registration (CONTRIBUTING.md): a toy algorithm (with its own
 per-record quantity), a toy data set and a toy model, each in tests/plugins/, are accepted by config validation
 and train together. The registries are restored afterwards, so no other test sees the toys."""
 

@@ -1,4 +1,4 @@
-"""``dpdro predict`` / ``dpdro evaluate`` on records of your own (issue 24 item 5): a CSV file without the label
+"""``dpdro predict`` / ``dpdro evaluate`` on records of your own: a CSV file without the label
 column, a folder of images without class sub-folders, one image; the predictions on unlabelled records equal
 those on the same records labelled (and those of the run's own test split); malformed input is refused naming the
 file, the column or the folder and what was expected."""

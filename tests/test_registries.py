@@ -1,5 +1,5 @@
 """The plug-in registries are the one place a name is declared: every other list of names is derived from them,
-and a name declared in two places that disagree fails here (common/registry.py, docs/DEVELOPING.md)."""
+and a name declared in two places that disagree fails here (common/registry.py, CONTRIBUTING.md)."""
 
 from __future__ import annotations
 

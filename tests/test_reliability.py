@@ -1,6 +1,6 @@
 """Reliability on a real MNIST-ST subset: client failures, malformed replies, empty Poisson batches,
 client order, privacy rails and steady memory. Each test is one of the cases users of similar systems
-reported (issue 8); the docstring says which."""
+reported; the docstring says which."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_retry_gives_up_after_max_retries(small_config):
 
 
 def test_hanging_client_times_out_in_process_and_the_policy_applies(small_config, tmp_path, caplog):
-    """Issue 21, item 10: the in-process 'hang' fault hung the run forever (round-timeout only worked on
+    """The in-process 'hang' fault hung the run forever (round-timeout only worked on
     Flower). Now the client misses round-timeout, is reported, and on-client-failure decides."""
     cfg = small_config(out_dir=str(tmp_path / "retry"), inject_fault="1:2:hang", on_client_failure="retry",
                        round_timeout=5.0)
@@ -69,7 +69,7 @@ def test_hanging_client_times_out_in_process_and_the_policy_applies(small_config
 
 
 def test_cuda_without_a_gpu_is_a_config_error_before_any_work(small_config, tmp_path, monkeypatch, capsys):
-    """Issue 21, item 10: device=cuda on a machine without a GPU was a traceback deep in the first release;
+    """device=cuda on a machine without a GPU was a traceback deep in the first release;
     now `dpdro train` exits 2 with one line naming the key, before loading data, and so does a client."""
     import torch
 
@@ -115,7 +115,7 @@ def test_malformed_reply_is_rejected_and_never_aggregated(small_config, tmp_path
 
 
 def test_float32_replies_of_one_record_from_many_clients_are_never_rejected(small_config):
-    """Issue 21, item 2: with 20 clients and ~1.6 records per client and release, many replies sum one float32
+    """With 20 clients and ~1.6 records per client and release, many replies sum one float32
     record clipped to the bound; its rounding (norm 1.0000012 x clip) used to fail the server's check, and
     whether it did depended on the sampled record. With 'fail', any rejection would end the run."""
     cfg = small_config(dtype="float32", max_train_records=500, max_test_records=200, num_clients=20,
@@ -176,8 +176,8 @@ def test_bad_inject_fault_is_a_config_error():
 # the allocator's caching and carries the tight bound; the RSS (server_rss_mb, after gc and malloc_trim)
 # keeps a loose one for what the heap does not see (Python's small-object arenas). The old test bounded the
 # untrimmed RSS by 25 MiB and was flaky: glibc's per-thread arenas made the Flower server's RSS move in ~19 MiB
-# steps without any leak (58 MiB from iteration 40 to 120 in one run; 23 MiB trimmed). Figures measured are in
-# the report of issue 21 item 11; the test-only leak of one client's reply (26k float64, 0.2 MiB) per round
+# steps without any leak (58 MiB from iteration 40 to 120 in one run; 23 MiB trimmed).
+# The test-only leak of one client's reply (26k float64, 0.2 MiB) per round
 # (inject-fault kind 'leak') adds 0.2-0.4 MiB per iteration.
 HEAP_GROWTH_BOUND_MB = 8.0
 RSS_GROWTH_BOUND_MB = 40.0

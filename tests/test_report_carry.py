@@ -216,11 +216,11 @@ def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reporte
 
 
 def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configuration(tmp_path):
-    """docs/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
+    """docs/research/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
     without run directories (here: none at all), i.e. its config_sha is the fingerprint of what the checked-in
     tuned files plan for its cell. Adding a configuration key without KEYS_ADDED_LATER, or changing a tuned file
     without new runs, breaks this."""
-    published = Path(__file__).resolve().parent.parent / "docs" / "results.csv"
+    published = Path(__file__).resolve().parent.parent / "docs" / "research" / "results.csv"
     with open(published, newline="") as f:
         cells = {sweep._cell(r) for r in csv.DictReader(f)}
     planned = sweep.plan_runs(sweep.PROFILES["tuned"], tmp_path)
@@ -229,13 +229,13 @@ def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configur
 
 
 def test_every_data_set_with_tuned_files_has_published_rows():
-    """A data set whose tuned files are checked in has rows in docs/results.csv at the epsilon it was tuned at
-    (made by the sweep: source 'run' or 'carried', never another), so no data set drops out of the tables
-    silently when a report does not carry its rows."""
+    """A data set whose tuned files are checked in has rows in docs/research/results.csv at the epsilon it was
+    tuned at (made by the sweep: source 'run' or 'carried', never another), so no data set drops out of the
+    tables silently when a report does not carry its rows."""
     from dpdro.simulations.tuned import TUNED_CONFIGS
 
     tuned = {p.name.split("-eps")[0] for p in TUNED_CONFIGS.glob("*-eps4-*.toml")}
-    with open(Path(__file__).resolve().parent.parent / "docs" / "results.csv", newline="") as f:
+    with open(Path(__file__).resolve().parent.parent / "docs" / "research" / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     published = {r["dataset"] for r in rows if float(r["epsilon_target"]) == 4.0}
     assert {"mnist-st", "cifar10-st"} <= tuned and tuned <= published, sorted(tuned - published)

@@ -1,4 +1,4 @@
-"""Your own data (README "Your own data"): dataset=csv, dataset=image-folder and dataset='package.module:function'
+"""Your own data (docs/how-to/own-data.md): dataset=csv, dataset=image-folder and dataset='package.module:function'
 read files the test writes, train end to end with a private run, and refuse malformed files before training with
 a message naming the file, the line or folder, and what was expected (one test per error)."""
 
@@ -477,7 +477,7 @@ def test_plan_of_group_attribute_runs_on_groups_and_refuses_a_data_set_without(c
 
 
 def test_walkthrough_data_script_writes_the_readme_files(tmp_path):
-    """examples/make_walkthrough_data.py writes what the README's own-data walk-through reads: 3 class folders of
+    """examples/make_walkthrough_data.py writes what the own-data tutorial reads: 3 class folders of
     120 / 30 PNGs, 12 unlabelled images, the risk table (1,500 / 500 rows) and 20 unlabelled rows, which load as
     the csv and image-folder data sets."""
     import runpy

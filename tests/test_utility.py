@@ -1,4 +1,4 @@
-"""Utility mechanisms of issue 13: class priors released privately, the logit-adjusted loss and post-hoc
+"""Utility mechanisms: class priors released privately, the logit-adjusted loss and post-hoc
 adjustment, per-mechanism noise allocation, DRO weights that survive clipping, the SPIDER noise monitor,
 the private eta initialisation, relative clip units of Algorithm 3, the validation split and the tuning
 selection. Values are asserted against independent computations."""

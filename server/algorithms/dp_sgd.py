@@ -74,7 +74,7 @@ class DpSgd(Algorithm):
         return state.x, state.eta
 
     def diagnostics(self, state: SgdState) -> dict[str, float]:
-        return {"eta": state.eta, "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+        return {"step_norm": float(np.linalg.norm(state.x - state.x_prev))}
 
 
 @register_algorithm("dp-sgd-la")
@@ -97,3 +97,6 @@ class DpSgdDual(DpSgd):
 
     def _dim(self) -> int:
         return self.dim + 1
+
+    def diagnostics(self, state: SgdState) -> dict[str, float]:
+        return {"eta": state.eta, **super().diagnostics(state)}

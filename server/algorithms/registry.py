@@ -2,7 +2,7 @@
 
 The name must be declared in ``common.algorithm_specs.ALGORITHM_SPECS`` (what the config, the client and the
 tuner know of an algorithm); a plug-in passes its ``AlgorithmSpec`` instead of the name, which declares it there
-too, so that a new algorithm is one file (docs/DEVELOPING.md).
+too, so that a new algorithm is one file (CONTRIBUTING.md).
 """
 
 from __future__ import annotations

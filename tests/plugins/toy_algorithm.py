@@ -1,4 +1,4 @@
-"""A toy algorithm in one file (docs/DEVELOPING.md): private gradient descent with momentum on the cross-entropy,
+"""A toy algorithm in one file (CONTRIBUTING.md): private gradient descent with momentum on the cross-entropy,
 with its own per-record quantity. Registering it takes the two decorators below; tests/test_plugins.py trains it.
 """
 

@@ -1,4 +1,4 @@
-"""A toy data set in one file (docs/DEVELOPING.md): two well-separated classes of 4x4 grey images, drawn from a
+"""A toy data set in one file (CONTRIBUTING.md): two well-separated classes of 4x4 grey images, drawn from a
 fixed seed (no files). Registering it is the ``register_dataset`` call; tests/test_plugins.py trains on it."""
 
 from __future__ import annotations

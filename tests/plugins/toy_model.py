@@ -1,4 +1,4 @@
-"""A toy model in one file (docs/DEVELOPING.md): a linear classifier on flattened 1x4x4 inputs. Registering it
+"""A toy model in one file (CONTRIBUTING.md): a linear classifier on flattened 1x4x4 inputs. Registering it
 is the ``register_model`` decorator; tests/test_plugins.py trains it."""
 
 from __future__ import annotations

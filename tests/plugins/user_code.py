@@ -1,4 +1,4 @@
-"""User code named by import path (README "Your own data", "Your own model"): models built by
+"""User code named by import path (docs/how-to/own-data.md): models built by
 ``model=user_code:<factory>`` and data by ``dataset=user_code:<function>``, with no registration. Test-only:
 tests/test_user_data.py puts this folder on sys.path (a user puts theirs on PYTHONPATH)."""
 

@@ -56,7 +56,8 @@ RUN set -eu; \
         update-ca-certificates; \
     fi
 
-# torch first (pinned as in pyproject.toml): from the wheel folder when it holds torch, else from the index.
+# torch first (the versions pyproject.toml's [tool.dpdro.tested] records): from the wheel folder when it holds
+# torch, else from the index.
 # pip trusts the system store (with the extra CAs) rather than its own bundled one.
 RUN --mount=type=bind,source=${WHEELS},target=/wheels \
     set -eu; \
@@ -75,15 +76,16 @@ COPY --chown=app:app client ./client
 # launch: the fleet-gateway service; simulations: pyproject.toml lists it as a package, so `pip install .` needs it
 COPY --chown=app:app launch ./launch
 COPY --chown=app:app simulations ./simulations
-# Drop the [simulation] extra (Ray), which only the simulation engine needs; flwr stays pinned at 1.42.0.
-# Editable, as in the tested loopback deployment: Flower puts the unpacked app (FAB: dpdro/ holds only __init__.py and
-# cli.py, the sub-packages are mapped from common/, server/, ...) first on sys.path, and the editable finder is what
+# Drop the [simulation] extra (Ray), which only the simulation engine needs; flwr stays at the base image's 1.42.0
+# (within pyproject.toml's range, so pip keeps it).
+# Editable, as in the tested loopback deployment: Flower puts the unpacked app (FAB: dpdro/ holds only __init__.py, api.py
+# and cli/, the sub-packages are mapped from common/, server/, ...) first on sys.path, and the editable finder is what
 # resolves dpdro.server & co. behind it; a plain install would be shadowed by the FAB's partial dpdro/.
 # The [features] extra (kymatio) so that features=scatternet runs on every node: a node computes its own records'
 # scattering features (common/scattering.py).
 RUN --mount=type=bind,source=${WHEELS},target=/wheels \
     set -eu; \
-    sed -i 's/"flwr\[simulation\]==1.42.0"/"flwr==1.42.0"/' pyproject.toml; \
+    sed -i 's/"flwr\[simulation\]/"flwr/' pyproject.toml; \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt python -m pip install --no-cache-dir --find-links /wheels -e ".[features]"; \
     rm -rf build; chown -R app:app /app/*.egg-info
 

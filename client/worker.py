@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -105,6 +105,27 @@ class ShardWorker:
             raise ValueError("dro-groups='attribute': this client's data set declares no group attribute")
         return self.groups
 
+    def _inputs(self, query: Query, versions: Mapping[int, np.ndarray]):
+        """(quantity function, parameter points on this worker's device and dtype, problem with the query's
+        offset, records' groups or None) of ``query``: what ``answer`` and ``record_rows`` compute with."""
+        fn = QUANTITIES[query.quantity]
+        flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
+        problem = self._problem(query.offset)
+        groups = self._groups(problem) if getattr(fn, "uses_groups", False) else None
+        return fn, flats, problem, groups
+
+    def record_rows(self, query: Query, versions: Mapping[int, np.ndarray],
+                    idx: np.ndarray | None = None) -> Iterator[torch.Tensor | RowBlocks]:
+        """The unclipped per-record vectors of ``query`` (what ``answer`` clips and sums) for the records
+        ``idx`` (m,) of this shard (default: every record, no sampling), chunk by chunk: (B, query.dim) tensors or
+        ``RowBlocks``, B <= chunk-size, in the order of ``idx``. For measurements on the records (the estimator
+        diagnostics), never for a release: nothing here is clipped or noised. KeyError if a version is missing."""
+        fn, flats, problem, groups = self._inputs(query, versions)
+        rows = np.arange(self.num_records) if idx is None else np.asarray(idx)
+        yield from record_rows(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
+                               self.x, self.y, torch.as_tensor(rows, device=self.device), problem, query.extra,
+                               self.cfg.chunk_size, groups)
+
     def answer(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
         """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
@@ -113,11 +134,8 @@ class ShardWorker:
         and reports no count (-1): the server is not trusted with it. ``versions`` maps the query's model version
         ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
-        fn = QUANTITIES[query.quantity]
-        flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         idx = self.sample(query)
-        problem = self._problem(query.offset)
-        groups = self._groups(problem) if getattr(fn, "uses_groups", False) else None
+        fn, flats, problem, groups = self._inputs(query, versions)
         total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
                                        self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
                                        query.dim, problem, query.extra, self.cfg.chunk_size, groups)
@@ -153,19 +171,29 @@ def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, 
     """
     total = torch.zeros(dim, dtype=torch.float64, device=x.device)
     clipped = 0
+    for v in record_rows(model, fn, flats, scalars, coefs, x, y, rows, problem, extra, chunk_size, groups):
+        part, n_clipped = clipped_sum_and_count(v, clip)
+        total += part
+        clipped += n_clipped
+    return total, clipped
+
+
+def record_rows(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                problem: Problem, extra=(), chunk_size: int = 256,
+                groups: torch.Tensor | None = None) -> Iterator[torch.Tensor | RowBlocks]:
+    """The per-record vectors sum_j coefs[j] fn(flats[j], scalars[j]) of the records ``rows``, unclipped, chunk by
+    chunk (``chunk_size`` records each, in the order of ``rows``): a (B, D) tensor, or for one point of a quantity
+    with row blocks (a refresh) its ``RowBlocks`` (no (B, D) matrix is formed). Arguments as in ``clipped_total``,
+    which clips and sums exactly these chunks."""
     for start in range(0, int(rows.shape[0]), chunk_size):
         sel = rows[start:start + chunk_size]
         xb, yb = x[sel], y[sel]
         kw = {"groups": groups[sel]} if groups is not None else {}
         if len(flats) == 1 and getattr(fn, "rows", None) is not None:
-            # one point (a refresh): clip and sum the quantity's row blocks, no (chunk, D) matrix is formed
-            v = fn.rows(model, flats[0], scalars[0], xb, yb, problem, extra, **kw).scaled(coefs[0])
+            # one point (a refresh): the quantity's row blocks, no (chunk, D) matrix is formed
+            yield fn.rows(model, flats[0], scalars[0], xb, yb, problem, extra, **kw).scaled(coefs[0])
         else:
-            v = _combined_rows(fn, model, flats, scalars, coefs, xb, yb, problem, extra, kw)
-        part, n_clipped = clipped_sum_and_count(v, clip)
-        total += part
-        clipped += n_clipped
-    return total, clipped
+            yield _combined_rows(fn, model, flats, scalars, coefs, xb, yb, problem, extra, kw)
 
 
 def _combined_rows(fn, model: FlatModel, flats, scalars, coefs, xb: torch.Tensor, yb: torch.Tensor, problem: Problem,

@@ -26,7 +26,7 @@ class AlgorithmSpec:
     uses_eta: it has the dual variable eta (so eta-init-source='private-mean-loss' applies).
     dro: a DP-DRO method (the results tables compare it with the simple baselines, the non-DRO methods).
     logit_adjusted: it trains on the logit-adjusted loss (logit-adjust-tau 'auto' means 1, and 0 is refused).
-    space: the tuner's search space (config key -> FloatRange | IntRange | Choice, ``dpdro tune``); empty: not
+    space: the tuner's search space (config key -> FloatRange | IntRange | Choice, ``dpdro lab tune``); empty: not
         tuned.
     fixed: keys every tuning trial of the algorithm shares (not searched).
     reports: the fields of summary.json (and, for eval_dro_objective and eta, the columns of metrics.csv) that

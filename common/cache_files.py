@@ -10,17 +10,14 @@ re-hashing it (a truncation or an edit changes both); any other copy is hashed a
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import json
 import math
-import os
 import struct
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+
+from .atomic import atomic_write_bytes, atomic_writer
 
 RECORD_SUFFIX = ".meta.json"
 # IDX type code -> bytes per value (torchvision's read_sn3_pascalvincent_tensor)
@@ -37,48 +34,18 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@contextlib.contextmanager
-def atomic_writer(dest: Path) -> Iterator[BinaryIO]:
-    """A binary file to write ``dest`` through: written to a temporary file beside it (mode 0600, a name unique to
-    this writer, so processes that build the same entry at once never share one), flushed to disk and renamed onto
-    ``dest`` when the block ends; on an error the temporary file is removed and ``dest`` left as it was."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write(dest: Path, data: bytes) -> None:
-    with atomic_writer(dest) as f:
-        f.write(data)
-
-
 def decompress_into_cache(source: Path, dest: Path) -> None:
     """Decompress the .gz file ``source`` to ``dest`` atomically, then write its record (size, SHA-256,
     mtime, source name) atomically beside it. Raises OSError (e.g. EOFError for a truncated .gz)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
     h, size = hashlib.sha256(), 0
-    try:
-        with gzip.open(source, "rb") as fin, os.fdopen(fd, "wb") as fout:
-            for block in iter(lambda: fin.read(1 << 20), b""):
-                h.update(block)
-                size += len(block)
-                fout.write(block)
-            fout.flush()
-            os.fsync(fout.fileno())
-        os.replace(tmp, dest)  # a crash never leaves a half file under the real name
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with gzip.open(source, "rb") as fin, atomic_writer(dest, mode=0o600) as fout:
+        for block in iter(lambda: fin.read(1 << 20), b""):
+            h.update(block)
+            size += len(block)
+            fout.write(block)
     record = {"bytes": size, "sha256": h.hexdigest(), "mtime_ns": dest.stat().st_mtime_ns, "source": source.name}
-    _atomic_write(record_path(dest), (json.dumps(record, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(record_path(dest), (json.dumps(record, sort_keys=True) + "\n").encode(), mode=0o600)
 
 
 def cache_entry_problem(path: Path) -> str | None:

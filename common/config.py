@@ -21,6 +21,7 @@ from typing import Any
 
 from .algorithm_specs import ALGORITHM_SPECS, algorithm_names, eta_algorithms
 from .batches import over_n
+from .errors import DpdroError
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
 # What a key changes (Field.role): 'data' which records a node holds or evaluates (the client's shard-cache key);
@@ -42,7 +43,7 @@ SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, DpdroError):
     """A configuration value is missing, of the wrong type or out of range.
 
     The message names the key, the value given and what is allowed.

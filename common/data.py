@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import image_folder, tabular_data
+from .atomic import atomic_writer
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
 from .data_types import DataError, LoadedSplit, stratified_split
 from .registry import AUTO, Registry
@@ -443,10 +444,8 @@ def _celeba_subset_arrays(root: Path, cache_dir: Path) -> tuple[np.ndarray, np.n
                             "file") from None
     blond = attrs[keep, header.index("Blond_Hair")].astype(np.int64)
     male = attrs[keep, header.index("Male")].astype(np.int64)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.part.npz")  # one per process: parallel builds never mix
-    np.savez(tmp, x=images, blond=blond, male=male)
-    os.replace(tmp, cache)
+    with atomic_writer(cache) as f:  # a temporary file per writer: parallel builds never mix
+        np.savez(f, x=images, blond=blond, male=male)
     return images, blond, male
 
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from .errors import DpdroError
+
 if TYPE_CHECKING:  # imported where tensors are built: config validation must not load torch
     import torch
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:  # imported where tensors are built: config validation must no
 USER_TEST_FRACTION = 0.2
 
 
-class DataError(FileNotFoundError):
+class DataError(FileNotFoundError, DpdroError):
     """Data could not be found or read; the message says where it looked and how to fix it."""
 
 

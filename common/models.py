@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import DpdroError
 from .model_fix import fix_model
 from .registry import Registry
 
@@ -40,7 +41,7 @@ def register_model(name: str):
     return MODELS.register(name)
 
 
-class ModelError(ValueError):
+class ModelError(ValueError, DpdroError):
     """A model cannot be used for record-level DP training; the message names the layer and the fix."""
 
 

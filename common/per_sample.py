@@ -7,7 +7,7 @@ one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-rec
 
 - 'torch.func' (default): ``vmap(grad(...))`` over records (no Python loop over records);
 - 'opacus': Opacus' grad-sample hooks (``opacus.GradSampleModule``, per-layer outer products), which
-  ``dpdro bench`` measures against torch.func per model and device (docs/research/PERFORMANCE.md). Needs opacus
+  ``dpdro lab bench`` measures against torch.func per model and device (docs/research/PERFORMANCE.md). Needs opacus
   installed;
 - 'ghost': for a model whose trainable parameters are one ``nn.Linear`` layer's (a linear head on fixed features:
   scatter-linear, or trainable=head), each record's gradient is the outer product g_i h_i^T (g_i the gradient of

@@ -12,7 +12,7 @@ data-independent option ``input_norm=GroupNorm``), so no statistic of the record
 
 Features are cached beside the shards: ``<cache-dir>/features/<data set>-<digest>.npz``, the digest a SHA-256
 over the transform's parameters and the bytes of the input records (so the data set, the subset and the
-transform all key it), written atomically (``cache_files.atomic_writer``), readable by the node's user only; a
+transform all key it), written atomically (``common.atomic.atomic_writer``), readable by the node's user only; a
 damaged entry (the zip's CRCs, or shapes that do not fit) is rebuilt. On a Flower node the features are
 computed there, from the node's own records: nothing new leaves the node.
 
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cache_files import atomic_writer
+from .atomic import atomic_writer
+from .errors import DpdroError
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ KYMATIO_VERSION = "0.3.0"
 BATCH = 64  # images per call of the transform (bounds its memory; faster than 256 or 16 on this CPU)
 
 
-class FeatureError(ValueError):
+class FeatureError(ValueError, DpdroError):
     """The feature front-end cannot be used (kymatio missing, records that are not images); the message says
     what to do."""
 
@@ -155,7 +156,7 @@ def compute_features(x: torch.Tensor, features: str, cache_dir: Path | None, nam
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_writer(path) as f:  # mode 0600: the node's own records
+            with atomic_writer(path, mode=0o600) as f:  # the node's own records
                 np.savez(f, features=out.numpy())
         except OSError as e:
             log.warning("could not write the features cache %s: %s", path, e)

@@ -14,10 +14,11 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import RunFailed
 from .messages import Query, Reply
 
 
-class ClientFailure(RuntimeError):
+class ClientFailure(RuntimeError, RunFailed):
     """Clients failed (error, timeout or malformed reply) and the failure policy does not allow going on."""
 
 

@@ -35,12 +35,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ..common.errors import DpdroError
+
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "superlink")
 CA_DAYS = 3650
 SERVER_DAYS = 825
 
 
-class CertificateExistsError(FileExistsError):
+class CertificateExistsError(FileExistsError, DpdroError):
     """A key or certificate already exists and would be overwritten; the message names it and the fix."""
 
 

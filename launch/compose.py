@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -74,12 +73,16 @@ def container_problem(image: str, compose: Sequence[str] | None = None) -> str |
 
 
 def torch_pins(project_dir: str | os.PathLike) -> list[str]:
-    """The ``torch==`` and ``torchvision==`` requirements of pyproject.toml (the image installs the same)."""
-    text = (Path(project_dir) / "pyproject.toml").read_text()
-    pins = re.findall(r'"((?:torch|torchvision)==[^"]+)"', text)
-    if len(pins) != 2:
-        raise DeploymentError(f"pyproject.toml should pin torch and torchvision exactly; found {pins}")
-    return pins
+    """``torch==V`` and ``torchvision==V`` for the versions CI tests, pyproject.toml's [tool.dpdro.tested] (the
+    image installs the same). Raises DeploymentError when that table lacks either."""
+    import tomllib
+
+    tested = tomllib.loads((Path(project_dir) / "pyproject.toml").read_text()).get("tool", {}).get("dpdro", {})
+    tested = tested.get("tested", {})
+    if not {"torch", "torchvision"} <= set(tested):
+        raise DeploymentError(f"pyproject.toml's [tool.dpdro.tested] should give torch and torchvision; found "
+                              f"{sorted(tested)}")
+    return [f"torch=={tested['torch']}", f"torchvision=={tested['torchvision']}"]
 
 
 def download_torch_wheels(project_dir: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:

@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common.errors import RunFailed
 from .certs import CertSet, create_certificates
 from .flwr_output import require_run_id, run_status
 from .processes import STOP_GRACE, alive, descendants, listener_pids, stop_on_signals, stop_tree
@@ -57,7 +58,7 @@ DEFAULT_SUPERNODE_PORT = 19094
 DEFAULT_FLEET_PORT = 19092
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(RuntimeError, RunFailed):
     """A deployment step failed; the message names the step, and carries the relevant log tail."""
 
 

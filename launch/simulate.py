@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..common.config import Config, ConfigError, toml_value
 from ..common.data import pin_data_paths
+from ..common.errors import DpdroError
 from ..server.rundir import RunDir, check_out_dir, read_json
 from .flwr_output import require_run_id, run_status
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
@@ -52,7 +53,7 @@ STARTUP_TIMEOUT = 60.0
 RAY_LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-class SimulationError(RuntimeError):
+class SimulationError(RuntimeError, DpdroError):
     """The Flower run failed or did not finish; the message carries Flower's status and log tail."""
 
 

@@ -25,6 +25,7 @@ from ..common.batches import fitted_to_n, over_n
 from ..common.config import AUTO, FIELD_BY_KEY, SEEDED_NOT_PRIVATE, Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, resolve_data_root
 from ..common.data_types import declared_classes
+from ..common.errors import DpdroError, Stopped
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
@@ -56,11 +57,11 @@ RUNTIME_KEYS = keys_with_role("runtime")
 RUN_FACTS = ("delta_resolved", "n", "transport", "versions", "data_read")
 
 
-class ResumeError(ValueError):
+class ResumeError(ValueError, DpdroError):
     """A checkpoint cannot continue this run (other config, missing or corrupt files)."""
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(Stopped):
     """Training stopped at a user's request (``Progress.stop_requested``, e.g. Ctrl-C) after a checkpoint of
     iteration ``iteration`` was written to ``out_dir``: the run continues with ``dpdro train --resume out_dir``."""
 

@@ -55,6 +55,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize
 
 from ..common.config import ConfigError
+from ..common.errors import DpdroError
 
 ACCOUNTANTS = ("pld", "rdp")
 DEFAULT_ACCOUNTANT = "pld"
@@ -77,7 +78,7 @@ _PLD_TAIL_QUANTILE = 10.0
 _PLD_TAIL_MASS = 1e-15
 
 
-class PrivacyBudgetExceeded(RuntimeError):
+class PrivacyBudgetExceeded(RuntimeError, DpdroError):
     """A release would make epsilon exceed the run's target; it was refused and nothing was released."""
 
 

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..common.atomic import atomic_write_bytes
 from ..common.model_fix import fix_model
 from ..common.models import make_model, validate_model
 from ..common.scattering import feature_description
-from .rundir import RunFileError, atomic_write_bytes, read_json, write_json
+from .rundir import RunFileError, read_json, write_json
 
 MODEL_FORMAT = "dpdro-model/1"
 MODEL_PT = "model.pt"

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..common.atomic import atomic_writer
+from ..common.errors import DpdroError
 
 if TYPE_CHECKING:  # imported in export_onnx: the CLI names a missing extra before loading torch
     from torch import nn
@@ -26,7 +28,7 @@ EXTRA_MODULES = ("onnx", "onnxscript")  # what torch.onnx.export(dynamo=True) im
 INSTALL_HINT = "pip install 'dpdro[onnx]' (onnx and onnxscript: about 10 MB of wheels)"
 
 
-class ExportUnavailable(RuntimeError):
+class ExportUnavailable(RuntimeError, DpdroError):
     """The optional packages an export needs are not installed; the message names the extra to install."""
 
 
@@ -74,7 +76,6 @@ def export_onnx(run_dir: str | Path, out: str | Path | None = None, *, module: n
         "prediction_shift": json.dumps(None if shift is None else shift.tolist()),
         "input_shape": json.dumps(spec.input_shape), "input_scaling": str(spec.raw.get("input_scaling", ""))})
     path = Path(out) if out is not None else Path(run_dir) / ONNX_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    onnx.save(proto, str(tmp))
-    os.replace(tmp, path)
+    with atomic_writer(path) as f:
+        onnx.save(proto, f)
     return path

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..common import image_folder, tabular_data
+from ..common.atomic import atomic_write_bytes
 from ..common.config import Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
 from ..common.scattering import compute_features
@@ -42,7 +43,6 @@ from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
 from .run_report import confusion_matrix, plot_confusion
-from .rundir import atomic_write_bytes
 
 SPLITS = {"test": "test", "train": "train", "validation": "val"}
 # The splits made of the run's private training records ('validation' is held out of them, or, for a data set with

@@ -30,12 +30,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..common.config import Config, ConfigError
+from ..common.errors import RunFailed
 from ..common.messages import REPLY_DTYPE, Query, Reply
 
 log = logging.getLogger(__name__)
 
 
-class ReplyError(ValueError):
+class ReplyError(ValueError, RunFailed):
     """A client's reply is malformed and was not aggregated; the message names the partition and why."""
 
 

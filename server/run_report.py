@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .rundir import atomic_write_bytes
+from ..common.atomic import atomic_write_bytes
 
 TRAINING_CURVES = "plots/training_curves.png"
 PER_CLASS = "plots/per_class_accuracy.png"

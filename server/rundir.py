@@ -1,5 +1,6 @@
 """The run directory (ARCHITECTURE.md section 6): config.json, metrics.csv, summary.json, events.jsonl,
-checkpoint/ and plots/. Every whole-file write is atomic (temporary file, then rename)."""
+checkpoint/ and plots/. Every whole-file write is atomic and durable
+(``common.atomic``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from ..common.atomic import atomic_write_bytes
 from ..common.config import ConfigError
+from ..common.errors import DpdroError
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +43,12 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, obj: Any) -> None:
     """Atomically write ``obj`` as JSON (inf as the string 'inf', NaN as null)."""
     atomic_write_bytes(path, (json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
-class RunFileError(ValueError):
+class RunFileError(ValueError, DpdroError):
     """A file of a run directory is missing, truncated or not what dpdro wrote; the message names the file
     and what to do."""
 

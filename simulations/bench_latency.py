@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpdro.common.atomic import atomic_write_text  # run as a script: absolute
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS_HEADING = "## In containers (compose.yaml, podman)"
 
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.write)
         old = path.read_text() if path.is_file() else ""
         kept = "\n" + old[old.index(CONTAINERS_HEADING):] if CONTAINERS_HEADING in old else ""  # separate runs
-        path.write_text(text + kept)
+        atomic_write_text(path, text + kept)
         print(f"wrote {args.write}")
     return 0
 

@@ -1,6 +1,6 @@
 """White-box canary audit of every release mechanism: an empirical epsilon lower bound per release.
 
-    dpdro audit --mode canary [--algorithms ...] [--trials 100000] [--max-releases 20000] [--noise-modes ...]
+    dpdro lab audit --mode canary [--algorithms ...] [--trials 100000] [--max-releases 20000] [--noise-modes ...]
 
 Threat model: the strongest adversary of the literature for one Gaussian release, the white-box "Dirac
 canary" of Nasr et al. 2021 ("Adversary instantiation", sec. 4) and 2023 ("Tight auditing of differentially
@@ -478,7 +478,7 @@ def report_lines(rows: Sequence[AuditRow], command: str, slots: int) -> list[str
 
 def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, max_releases: int = 20_000,
                      plan: Sequence[tuple[str, str, tuple[str, ...], str | None]] = DEFAULT_PLAN,
-                     command: str = "dpdro audit --mode canary", progress=None) -> tuple[Path, list[AuditRow]]:
+                     command: str = "dpdro lab audit --mode canary", progress=None) -> tuple[Path, list[AuditRow]]:
     """Run every audit of ``plan`` and write the canary section of ``docs``/AUDIT.md (the other mode's section
     is kept); returns (its path, the rows). ``progress(rows)`` is called with each audited configuration's rows."""
     rows: list[AuditRow] = []
@@ -500,7 +500,7 @@ DOC_TITLE = "# Empirical privacy audit"
 def write_section(path: Path, mode: str, lines: Sequence[str]) -> Path:
     """Replace (or add) the section of ``mode`` ('canary' or 'mia') in the audit document ``path``, between its
     HTML comment markers, keeping the other section; the file is replaced atomically."""
-    from ..server.rundir import atomic_write_bytes
+    from ..common.atomic import atomic_write_bytes
 
     begin, end = f"<!-- audit:{mode} -->", f"<!-- /audit:{mode} -->"
     block = "\n".join([begin, SECTION_TITLES[mode], "", *lines, end])

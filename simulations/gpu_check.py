@@ -1,5 +1,5 @@
 """The GPU check: the paper profile on CIFAR10-ST (GroupNorm ResNet20, the main methods, epsilon 4, one seed) and
-``dpdro bench``'s step-time rows, on one device, every output under one folder.
+``dpdro lab bench``'s step-time rows, on one device, every output under one folder.
 
     python -m dpdro.simulations.gpu_check [--out runs/gpu-check] [--device cuda] [--iterations N]
                                           [--budget-seconds 540] [--tiny]
@@ -12,7 +12,7 @@ everything (a few records and iterations) so that the same code is tested on a C
 they are not results for docs/research/RESULTS.md's tables.
 
 Outputs under ``--out``: ``runs/paper/cifar10-st/<method>/eps4/seed0/`` (ordinary run directories),
-``PERFORMANCE-<device>.md`` and ``.json`` (``dpdro bench --quick --no-flower`` with ResNet20 and the CIFAR CNN in
+``PERFORMANCE-<device>.md`` and ``.json`` (``dpdro lab bench --quick --no-flower`` with ResNet20 and the CIFAR CNN in
 table (f)), and ``gpu_check.json`` / ``GPU_CHECK.md`` (per run: wall seconds, seconds per iteration, test and
 worst-class accuracy, epsilon spent).
 """
@@ -24,6 +24,7 @@ import json
 import time
 from pathlib import Path
 
+from ..common.atomic import atomic_write_text
 from ..common.config import Config, check_device
 from .sweep import PROFILES, plan_runs
 
@@ -90,8 +91,8 @@ def run_check(out: Path, device: str = "cuda", iterations: int = 400, budget_sec
     result["bench_doc"] = str(doc)
     result["seconds"] = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "GPU_CHECK.md").write_text(render(result))
+    atomic_write_text(out / "gpu_check.json", json.dumps(result, indent=1, default=str))
+    atomic_write_text(out / "GPU_CHECK.md", render(result))
     return result
 
 
@@ -108,7 +109,7 @@ def render(result: dict) -> str:
                      f"{r['test_accuracy']:.4f} | {r['worst_class_accuracy']:.4f} | {float(r['epsilon_spent']):.3f} |")
     for r in result["not_run"]:
         lines.append(f"| {r['algorithm']} | not run: {r['why']} | | | | |")
-    lines += ["", "Refresh step (per-record gradients, clip, sum) by `dpdro bench` on the same device:", "",
+    lines += ["", "Refresh step (per-record gradients, clip, sum) by `dpdro lab bench` on the same device:", "",
               "| model | parameters | batch | chunk | step (s) | samples/s | peak MiB |",
               "|---|---|---|---|---|---|---|"]
     for r in result["bench_rows"]:

@@ -1,6 +1,6 @@
-"""Choosing a tuned file's post-hoc tau on a validation split: ``dpdro tune --choose-posthoc-tau``.
+"""Choosing a tuned file's post-hoc tau on a validation split: ``dpdro lab tune --choose-posthoc-tau``.
 
-    dpdro tune --dataset fashion-mnist-st --epsilon 4 --methods dp-sgd-la dp-double-spider recursive-spider \\
+    dpdro lab tune --dataset fashion-mnist-st --epsilon 4 --methods dp-sgd-la dp-double-spider recursive-spider \\
                --choose-posthoc-tau [--tau-grid 0 0.1 ... 2] [--tau-seeds 1] [--min-accuracy A] [--jobs 2]
 
 Post-hoc logit adjustment predicts argmax_k f_k(x) - tau log pi_k with the class priors pi the run released
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.config import Config
-from .objective import choose_by_terms, evaluation_terms, mean_terms
+from ..server.objective import choose_by_terms, evaluation_terms, mean_terms
 from .tuned import CHOSEN_KEY, RECHOSEN_MARK, leading_comments, tuned_config_path, with_chosen_on_private
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpdro.common.atomic import atomic_write_text
 from dpdro.common.config import default_toml_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,5 +22,5 @@ def pyproject_text(text: str) -> str:
 
 if __name__ == "__main__":
     path = ROOT / "pyproject.toml"
-    path.write_text(pyproject_text(path.read_text()))
+    atomic_write_text(path, pyproject_text(path.read_text()))
     print(f"updated {path}")

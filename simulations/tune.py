@@ -1,6 +1,6 @@
-"""Hyper-parameter search without test leakage, with Optuna: ``dpdro tune``.
+"""Hyper-parameter search without test leakage, with Optuna: ``dpdro lab tune``.
 
-    dpdro tune --dataset mnist-st --epsilon 4 [--trials 20] [--methods dp-sgd dp-sgd-la ...] [--jobs 2]
+    dpdro lab tune --dataset mnist-st --epsilon 4 [--trials 20] [--methods dp-sgd dp-sgd-la ...] [--jobs 2]
                [--confirm-top 3] [--confirm-seeds 3]
 
 Equal effort for every method: each method gets its own Optuna study with the same number of finished
@@ -22,7 +22,7 @@ never looked at.
   ``Progress.on_eval`` hook at each evaluation): after ``PRUNE_STARTUP_TRIALS`` finished trials and from
   ``PRUNE_WARMUP_FRACTION`` of the iterations on (large steps leave DRO at chance for a while first), a trial
   below the median of the finished trials at the same iteration stops. A pruned trial counts towards the budget.
-- Score: ``simulations.objective.validation_objective``: worst-class (CelebA: worst-group) accuracy, ties broken
+- Score: ``server.objective.validation_objective``: worst-class (CelebA: worst-group) accuracy, ties broken
   by the mean of the two lowest class accuracies, then by the validation accuracy.
 - Warm start (``--warm-start``): each method's first trial is its shipped configuration (``shipped_point``: the
   hand-set file under ``configs/handset/`` when there is one, else its tuned file), enqueued before the sampler
@@ -34,7 +34,7 @@ never looked at.
 - Storage: Optuna's JournalStorage on the file ``<root>/<dataset>/eps<e>/optuna.journal`` (one study per method)
   and ``search.json`` (budget, seed, spaces) beside it. Rerunning the same command resumes: finished trials are
   kept, a trial that was running when the search was stopped is run again (same point, new number), confirmation
-  runs with a summary.json are not run again. A second ``dpdro tune`` on the same search is refused.
+  runs with a summary.json are not run again. A second ``dpdro lab tune`` on the same search is refused.
 
 The winners' keys are written as config files that train on the whole training split and are evaluated on the
 test split:
@@ -42,10 +42,10 @@ test split:
     simulations/configs/tuned/<dataset>-eps<e>-<method>.toml     one per method
     simulations/configs/<dataset>-eps<e>-best.toml               the best method's (the overall winner)
 
-and every trial's validation figures go to ``docs/research/TUNING.md`` (``dpdro tune --report`` writes both from the
+and every trial's validation figures go to ``docs/research/TUNING.md`` (``dpdro lab tune --report`` writes both from the
 storage and runs nothing).
 
-``dpdro tune --dataset D --transfer-from S`` runs no trial: it writes D's tuned files from S's, keeping each
+``dpdro lab tune --dataset D --transfer-from S`` runs no trial: it writes D's tuned files from S's, keeping each
 method's searched keys (batch sizes in units of the data set's 'batch-scale') and taking everything else from
 D's trial keys. Nothing of D is then looked at to choose the hyper-parameters, so the choice costs D no privacy
 at all; the files' first line and docs/research/RESULTS.md say where they came from.
@@ -71,7 +71,7 @@ from pathlib import Path
 from ..common.algorithm_specs import ALGORITHM_SPECS, FloatRange, IntRange, SearchDimension
 from ..common.config import FIELD_BY_KEY, Config, ConfigError, toml_lines
 from ..common.rng import derived_rng
-from .objective import evaluation_terms, mean_terms, pack_terms
+from ..server.objective import evaluation_terms, mean_terms, pack_terms
 from .tuned import SEARCH_MARK, TRANSFER_MARK, transferred_from, tuned_config_path, with_chosen_on_private
 
 log = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ def _search_lock(root: Path, dataset: str, epsilon: float) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"another dpdro tune is running on {path.parent} (it holds {path}); wait for it or "
+            raise ConfigError(f"another dpdro lab tune is running on {path.parent} (it holds {path}); wait for it or "
                                "stop it first") from None
         yield
 
@@ -713,7 +713,7 @@ def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str],
         written[method] = out
     if not written:
         raise ValueError(f"--transfer-from {source}: no tuned config {source}-eps{epsilon:g}-<method>.toml under "
-                         f"{configs / 'tuned'}; run `dpdro tune --dataset {source}` first")
+                         f"{configs / 'tuned'}; run `dpdro lab tune --dataset {source}` first")
     return written
 
 
@@ -721,7 +721,7 @@ def transfer_tuned(target: str, source: str, epsilon: float, methods: list[str],
 
 def write_toml(path: Path, keys: dict, header: str = "") -> None:
     """A flat TOML file of configuration keys (atomic)."""
-    from ..server.rundir import atomic_write_bytes
+    from ..common.atomic import atomic_write_bytes
 
     lines = [header.rstrip("\n")] if header else []
     atomic_write_bytes(path, ("\n".join([*lines, toml_lines(keys)]) + "\n").encode())
@@ -736,15 +736,15 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
     figures, and the confirmation of each method's top trials (atomic write)."""
     from optuna.trial import TrialState
 
-    from ..server.rundir import atomic_write_bytes
+    from ..common.atomic import atomic_write_bytes
 
-    lines = ["# Hyper-parameter search (generated by `dpdro tune --report`)", "",
+    lines = ["# Hyper-parameter search (generated by `dpdro lab tune --report`)", "",
              "Optuna, one study per method with the same budget: TPE sampler (seeded; the first "
              f"{TPE_STARTUP_TRIALS} trials random), median pruner on the validation score at each of the "
              f"{EVALS_PER_TRIAL} evaluations of a trial (after {PRUNE_STARTUP_TRIALS} finished trials, from "
              f"{PRUNE_WARMUP_FRACTION:.0%} of the iterations on); a pruned trial counts towards the budget. Each "
              "trial is a full private run at the target epsilon, trained without the validation split and "
-             "evaluated on it. Score (`simulations/objective.py`): validation worst-class (CelebA: worst-group) "
+             "evaluated on it. Score (`server/objective.py`): validation worst-class (CelebA: worst-group) "
              "accuracy, ties broken by the mean of the two lowest class accuracies, then by the validation "
              "accuracy. Each method's best complete trials are trained again on more seeds and the best mean "
              "score wins. The test split is never used here. **The search is not privacy-accounted**: it reads "

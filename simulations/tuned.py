@@ -13,7 +13,7 @@ TUNED_CONFIGS = Path(__file__).resolve().parent / "configs" / "tuned"
 TRANSFER_MARK = "# Transferred"  # first line of a file written by ``tune.transfer_tuned``
 SEARCH_MARK = "# Tuned by `dpdro tune --dataset"  # first line of a file written by a search (``tune``)
 # In a comment line at the top of a tuned file whose posthoc-tau was chosen after the search (or the transfer) on
-# a validation split by the search's score (``dpdro tune --choose-posthoc-tau``, simulations/posthoc_tau.py; by hand
+# a validation split by the search's score (``dpdro lab tune --choose-posthoc-tau``, simulations/posthoc_tau.py; by hand
 # before it: ``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files quote the source's first line, so the
 # mark travels with the key.
 RECHOSEN_MARK = "posthoc-tau then re-chosen"
@@ -23,7 +23,7 @@ CHOSEN_KEY = "chosen-on-private-data"
 
 
 def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path = TUNED_CONFIGS) -> Path:
-    """Config file written by ``dpdro tune`` for (dataset, epsilon, algorithm)."""
+    """Config file written by ``dpdro lab tune`` for (dataset, epsilon, algorithm)."""
     return folder / f"{dataset}-eps{epsilon:g}-{algorithm}.toml"
 
 

@@ -1,6 +1,6 @@
 """Correctness of the performance work, no timing assertions: torch.func per-record gradients of
 the larger models equal single-record autograd, chunked sums equal unchunked ones, the clipped sum equals
-clip-then-sum, the ResNet20 is GroupNorm-only, and a tiny ``dpdro bench`` run yields every ratio as a finite
+clip-then-sum, the ResNet20 is GroupNorm-only, and a tiny ``dpdro lab bench`` run yields every ratio as a finite
 number and writes its document."""
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_presence_flags_reach_the_workers_records(tmp_path):
 def test_cli_canary_mode_refuses_unknown_configurations_and_sizes(capsys):
     from dpdro.cli import main
 
-    assert main(["audit", "--mode", "canary", "--configs", "dp-foo"]) == 2
+    assert main(["lab", "audit", "--mode", "canary", "--configs", "dp-foo"]) == 2
     assert "--configs: none of ['dp-foo'] is audited; allowed: dp-double-spider" in capsys.readouterr().err
-    assert main(["audit", "--mode", "canary", "--trials", "0"]) == 2
+    assert main(["lab", "audit", "--mode", "canary", "--trials", "0"]) == 2
     assert "--trials: got 0; allowed: >= 1" in capsys.readouterr().err

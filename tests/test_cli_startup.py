@@ -34,26 +34,33 @@ try:
 except SystemExit as e:
     code = e.code
 heavy = sorted(set(m.split('.')[0] for m in sys.modules) & set(HEAVY))
+lab = sorted(m for m in sys.modules if m == 'dpdro.simulations' or m.startswith('dpdro.simulations.'))
 print('HEAVY=' + ','.join(heavy), file=sys.stderr)
+print('LAB=' + ','.join(lab), file=sys.stderr)
 sys.exit(code)
 """
 
 
 def _probe(*argv: str) -> tuple[int, str, str, list[str]]:
-    """(exit status, stdout, stderr without the probe's line, heavy modules imported) of `dpdro ARGV` in a
-    fresh interpreter."""
+    """(exit status, stdout, stderr without the probe's lines, heavy modules and lab (dpdro.simulations)
+    modules imported) of `dpdro ARGV` in a fresh interpreter."""
     p = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)
     lines = p.stderr.splitlines()
     heavy = [ln for ln in lines if ln.startswith("HEAVY=")][-1][len("HEAVY="):]
-    return p.returncode, p.stdout, "\n".join(ln for ln in lines if not ln.startswith("HEAVY=")), \
-        [m for m in heavy.split(",") if m]
+    lab = [ln for ln in lines if ln.startswith("LAB=")][-1][len("LAB="):]
+    return p.returncode, p.stdout, "\n".join(ln for ln in lines if not ln.startswith(("HEAVY=", "LAB="))), \
+        [m for m in heavy.split(",") if m] + [m for m in lab.split(",") if m]
 
 
 @pytest.mark.parametrize("argv, code, says", [
     (["--help"], 0, "usage: dpdro"),
     (["train", "--help"], 0, "--resume"),
-    (["tune", "--help"], 0, "--dataset"),
+    (["lab", "tune", "--help"], 0, "--dataset"),
+    (["lab", "--help"], 0, "noise-modes"),
+    (["evaluate", "--help"], 0, "--format {text,json}"),
+    (["--version"], 0, "dpdro 0.1.0"),
+    (["keys", "--format", "json"], 0, '"key": "iterations"'),
     (["keys"], 0, "iterations = 400"),
     (["train", "--set", "iteratons=5"], 2, "did you mean 'iterations'?"),
     (["train", "--set", "iterations=-1"], 2, "config key 'iterations': got -1"),
@@ -64,12 +71,66 @@ def _probe(*argv: str) -> tuple[int, str, str, list[str]]:
     (["plan", "--set", "q=0"], 2, "config key 'q'"),
 ])
 def test_help_keys_and_config_errors_import_no_heavy_library(argv, code, says):
+    """... nor any lab code (dpdro.simulations), also for the lab's own help and its argument errors."""
     status, out, err, heavy = _probe(*argv)
     assert status == code, err
     assert says in out + err
     assert heavy == [], f"dpdro {' '.join(argv)} imported {heavy}"
     if code == 2:
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_old_lab_names_are_hidden_aliases_that_warn():
+    """`dpdro audit ...` runs `dpdro lab audit ...` after one deprecation line; the old names are not listed."""
+    status, out, err, imported = _probe("audit", "--mode", "canary", "--trials", "0")
+    assert status == 2 and imported == []
+    assert err.splitlines() == ["dpdro: warning: 'dpdro audit' is deprecated; use 'dpdro lab audit'",
+                                "dpdro: error: --trials: got 0; allowed: >= 1"]
+    status, out, _, _ = _probe("--help")
+    listed = {ln.split()[0] for ln in out.split("COMMAND\n", 1)[1].split("\n\n")[0].splitlines()
+              if ln.startswith("    ") and not ln.startswith("     ")}
+    assert listed == {"train", "simulate", "deploy", "plan", "keys", "predict", "evaluate", "export", "certs",
+                      "lab"}
+
+
+def test_keys_json_is_every_key_in_strict_json(capsys):
+    import json
+
+    from dpdro.cli import main
+    from dpdro.common.config import FIELDS
+
+    assert main(["keys", "--format", "json"]) == 0
+    keys = json.loads(capsys.readouterr().out)["keys"]  # strict: infinity is the string 'inf'
+    assert [k["key"] for k in keys] == [f.key for f in FIELDS]
+    assert {k["key"]: k["default"] for k in keys}["weight-cap"] == "inf"
+
+
+def test_errors_are_one_line_with_their_exit_code_and_the_traceback_only_with_verbose(monkeypatch, capsys):
+    """A DpdroError: its class's exit code (common/errors.py); an unexpected error: one line and 1; -v (before
+    or after the command) adds the traceback."""
+    from dpdro.cli import keys, main
+    from dpdro.common.errors import EXIT_FAILURE, EXIT_USAGE, RunFailed
+
+    def boom(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(keys, "run", boom)
+    assert main(["keys"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err == "dpdro: error: RuntimeError: boom (dpdro -v ... prints the traceback)\n"
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["-v", "keys"])
+
+    def failed(args):
+        raise RunFailed("the link went down")
+
+    monkeypatch.setattr(keys, "run", failed)
+    assert main(["keys"]) == EXIT_FAILURE and capsys.readouterr().err == "dpdro: error: the link went down\n"
+    assert main(["train", "--set", "iterations=-1"]) == EXIT_USAGE
+    assert "Traceback" not in capsys.readouterr().err
+    assert main(["train", "-v", "--set", "iterations=-1"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.splitlines()[-1].startswith("dpdro: error: config key 'iterations'")
 
 
 def test_builtin_model_names_are_the_registry_of_a_fresh_import():
@@ -99,7 +160,8 @@ def test_ctrl_c_stops_with_one_line_and_resume_says_where_it_restarts(tmp_path, 
     """Ctrl-C in a real `dpdro train` (SIGINT, output piped): one line naming the iteration and the --resume
     command, exit 130, no traceback, no carriage return, a checkpoint at that iteration, the header line; then
     --resume says where it restarts (stopped again after one iteration, to keep the test short)."""
-    from dpdro import cli
+    from dpdro.cli import main
+    from dpdro.cli import train as train_command
 
     keys = {**SMALL, "max-train-records": 600, "max-test-records": 100, "num-clients": 2, "iterations": 400,
             "refresh-batch": 60, "diff-batch": 30, "dtype": "float32", "checkpoint-every": 1000,
@@ -129,9 +191,10 @@ def test_ctrl_c_stops_with_one_line_and_resume_says_where_it_restarts(tmp_path, 
     assert 1 <= stopped < 400
     assert re.search(r"^n=600 delta=0\.000167 noise multipliers \{'eta-refresh': ", out, re.M), out
 
-    real = cli._progress_display
-    monkeypatch.setattr(cli, "_progress_display", lambda total, stop, split: real(total, lambda: True, split))
-    assert cli.main(["train", "--resume", str(run)]) == 130
+    real = train_command._progress_display
+    monkeypatch.setattr(train_command, "_progress_display",
+                        lambda total, stop, split: real(total, lambda: True, split))
+    assert main(["train", "--resume", str(run)]) == 130
     got = capsys.readouterr()
     assert f"resuming {run} at iteration {stopped} of 400 (epsilon spent so far " in got.out
     assert got.err.strip().splitlines()[-1] == (f"dpdro: stopped at iteration {stopped + 1} of 400; checkpoint at "
@@ -174,7 +237,7 @@ def test_stop_request_checkpoints_the_first_iteration_and_cli_resume_completes(s
 
 def test_piped_progress_writes_lines_without_carriage_returns(capsys):
     """Not a terminal: the header, evaluations and progress as whole lines; the tqdm bar only on a TTY."""
-    from dpdro.cli import _progress_display
+    from dpdro.cli.train import _progress_display
 
     close, progress = _progress_display(3)
     progress.on_note("n=10 delta=0.01 noise multipliers {'x': 1.0}")
@@ -197,7 +260,7 @@ def test_piped_progress_writes_lines_without_carriage_returns(capsys):
 
 
 def test_stopped_message_without_checkpoint_says_start_again(tmp_path):
-    from dpdro.cli import _stopped_message
+    from dpdro.cli.train import _stopped_message
 
     msg = _stopped_message(str(tmp_path / "none"))
     assert msg == (f"dpdro: stopped by Ctrl-C, before the first checkpoint: nothing to resume; start again with "
@@ -206,10 +269,10 @@ def test_stopped_message_without_checkpoint_says_start_again(tmp_path):
 
 def test_progress_bar_of_a_resumed_run_starts_at_its_checkpoint(monkeypatch):
     """On a terminal the bar's count starts at the resumed iteration, not at 0."""
-    from dpdro import cli
+    from dpdro.cli.train import _progress_display
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    close, progress = cli._progress_display(400)
+    close, progress = _progress_display(400)
     progress.on_start(120)
     progress.on_step(121)
     bar = close.__self__
@@ -223,8 +286,30 @@ def test_flower_commands_find_the_app_from_any_folder(tmp_path, monkeypatch):
     runs them from the folder of their data; with '.' flwr failed: no pyproject.toml there)."""
     from pathlib import Path
 
-    from dpdro.cli import app_dir
+    from dpdro.cli.shared import app_dir
 
     monkeypatch.chdir(tmp_path)
     assert app_dir(None) == ROOT and "[tool.flwr.app]" in (app_dir(None) / "pyproject.toml").read_text()
     assert app_dir("elsewhere") == Path("elsewhere")
+
+
+def test_no_lab_tool_writes_into_docs_by_default():
+    """Each lab tool's document goes under its --root in runs/ (bench: runs/bench/) unless --docs DIR or
+    --write-docs (the checkout's docs/) asks for it."""
+    from pathlib import Path
+
+    from dpdro.cli import build_parser, lab
+    from dpdro.cli.lab import bench
+    from dpdro.cli.shared import CHECKOUT, docs_dir
+
+    parser = build_parser()
+    for tool in lab.TOOLS:
+        if tool is bench:
+            assert bench.document(parser.parse_args(["lab", "bench"])) == "runs/bench/PERFORMANCE.md"
+            assert bench.document(parser.parse_args(["lab", "bench", "--write-docs"])) == str(
+                CHECKOUT / "docs" / "research" / "PERFORMANCE.md")
+            continue
+        args = parser.parse_args(["lab", tool.NAME])
+        assert docs_dir(args) == Path(args.root) and args.root.startswith("runs/"), tool.NAME
+        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--write-docs"])) == CHECKOUT / "docs" / "research"
+        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--docs", "elsewhere"])) == Path("elsewhere")

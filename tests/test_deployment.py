@@ -384,9 +384,12 @@ def test_dockerfile_base_wheels_and_ca_are_build_arguments():
     # the image must carry every package the app imports
     for folder in ("dpdro", "common", "server", "client", "launch"):  # launch: the fleet-gateway service
         assert re.search(rf"^COPY .*\b{folder}\b", text, re.M), folder
-    # torch pin agrees with pyproject.toml
-    pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert f"torch=={pin}" in text
+    # the image installs the torch and torchvision CI tests (pyproject.toml's [tool.dpdro.tested])
+    import tomllib
+
+    tested = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["dpdro"]["tested"]
+    assert f"torch=={tested['torch']} torchvision=={tested['torchvision']}" in text
+    assert f"flwr/superexec:{tested['flwr']}" in text
 
 
 def test_operator_guide_mentions_tested_commands():

@@ -157,8 +157,8 @@ def test_evaluate_with_another_posthoc_tau_predicts_with_the_released_priors(fin
 def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_score(finished, capsys):
     """--posthoc-tau T1 T2 ...: the model runs once, each tau's figures equal a single-tau evaluation, and the
     chosen tau is the best tuning score among those reaching --min-accuracy."""
+    from dpdro.server.objective import objective_terms
     from dpdro.server.prediction import metrics, predict
-    from dpdro.simulations.objective import objective_terms
 
     run, _ = finished
     taus = [0.0, 1.0, 3.0]
@@ -174,6 +174,12 @@ def test_evaluate_several_posthoc_taus_prints_each_and_chooses_by_the_tuning_sco
     best = max(range(3), key=lambda i: (round(terms[i][0], 4), round(terms[i][1], 4), round(terms[i][2], 4), -i))
     assert f"chosen: tau {taus[best]:g} " in out and png.read_bytes()[:8] == PNG_MAGIC
     assert "this is the test split: choose on validation" in out
+    # --format json: the same figures and choice as one object
+    assert main(["evaluate", "--run", str(run), "--posthoc-tau", "0", "1", "3", "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [t["tau"] for t in got["taus"]] == taus and got["chosen_tau"] == taus[best]
+    figures = [x for t in got["taus"] for x in (t["worst_class_accuracy"], t["two_lowest"], t["accuracy"])]
+    assert figures == pytest.approx([x for t in terms for x in t])
     # a floor above every tau's accuracy: nothing is chosen, exit status 1
     floor = max(t[2] for t in terms) + 1e-3
     if floor <= 1.0:
@@ -191,8 +197,8 @@ def test_evaluate_posthoc_taus_over_several_runs_prints_the_mean_terms_and_choos
     --out and a single tau."""
     import shutil
 
+    from dpdro.server.objective import choose_by_terms, mean_terms, objective_terms
     from dpdro.server.prediction import metrics, predict
-    from dpdro.simulations.objective import choose_by_terms, mean_terms, objective_terms
 
     run, _ = finished
     other = tmp_path / "other"
@@ -272,7 +278,7 @@ def test_predict_and_evaluate_on_private_splits_say_not_private_and_write_only_t
 
 
 def test_a_run_whose_posthoc_tau_was_chosen_on_private_data_lists_it_as_not_accounted(overlap, tmp_path):
-    """Config key chosen-on-private-data (which dpdro tune writes into its files): each item becomes a line of the
+    """Config key chosen-on-private-data (which dpdro lab tune writes into its files): each item becomes a line of the
     summary's not_accounted and of the model card; without it neither line appears; an unknown item is refused."""
     from dpdro.common.config import Config, ConfigError
 
@@ -475,12 +481,12 @@ def test_a_fit_on_python_records_records_python_data_and_its_card_snippet_runs(t
 
 
 def test_choose_posthoc_tau_trains_validation_models_and_rewrites_the_tuned_file(overlap, tmp_path, capsys):
-    """dpdro tune --choose-posthoc-tau: the tuned file's tau becomes the one the search's score chooses from the
+    """dpdro lab tune --choose-posthoc-tau: the tuned file's tau becomes the one the search's score chooses from the
     validation models' mean terms over the grid, the other keys stay, a comment line says how; a file that
     releases no priors is skipped; a second call trains nothing and replaces its line instead of adding one."""
     import tomllib
 
-    from dpdro.simulations.objective import choose_by_terms
+    from dpdro.server.objective import choose_by_terms
     from dpdro.simulations.posthoc_tau import choose_posthoc_tau, scan
     from dpdro.simulations.tuned import RECHOSEN_MARK, tuned_config_path
 

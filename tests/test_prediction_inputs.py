@@ -61,6 +61,11 @@ def test_predict_on_unlabelled_csv_rows_equals_the_predictions_on_the_same_rows_
     # the labelled file by path: every row, the run's reported accuracy (test.csv is the run's test split)
     assert main(["evaluate", "--run", str(run), "--data", str(data / "test.csv")]) == 0
     assert f"200 records, accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out
+    assert main(["evaluate", "--run", str(run), "--data", str(data / "test.csv"), "--format", "json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["records"] == 200 and m["accuracy"] == summary["test_accuracy"]
+    assert m["worst_class_accuracy"] == min(m["per_class_accuracy"].values())
+    assert sum(map(sum, m["confusion"])) == 200 and m["confusion_matrix_png"].endswith("confusion_test.png")
     by_path = _read(run / "predictions_new.csv")
     assert float(np.mean([r["predicted_class"] == row[2] for r, row in zip(by_path, rows, strict=True)])) == \
         summary["test_accuracy"]

@@ -121,7 +121,7 @@ def test_a_row_without_fingerprint_is_not_carried(tmp_path, profile):
 
 
 def test_tuned_sweep_runs_the_config_files_it_is_given(tmp_path, profile, monkeypatch):
-    """`dpdro sweep --configs F` ran the checkout's tuned files instead of F's (found running a transfer)."""
+    """`dpdro lab sweep --configs F` ran the checkout's tuned files instead of F's (found running a transfer)."""
     from dpdro.simulations import runner
 
     started = []

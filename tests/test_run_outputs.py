@@ -273,7 +273,7 @@ def test_the_console_process_leaves_cleanly_while_a_client_thread_runs():
     script = """
 import sys, threading, time, torch
 from dpdro.client.local_transport import CLIENT_THREAD
-import dpdro.cli
+from dpdro.cli.entry import _leave_process
 torch.set_num_threads(1)
 a = torch.randn(800, 800)
 def work():
@@ -282,7 +282,7 @@ def work():
 threading.Thread(target=work, name=f"{CLIENT_THREAD}-0", daemon=True).start()
 time.sleep(0.3)
 print("dpdro: stopped", flush=True)
-sys.exit(dpdro.cli._leave_process(130) if sys.argv[1] == "leave" else 130)
+sys.exit(_leave_process(130) if sys.argv[1] == "leave" else 130)
 """
     left = subprocess.run([sys.executable, "-c", script, "leave"], capture_output=True, text=True, timeout=120)
     assert (left.returncode, left.stdout) == (130, "dpdro: stopped\n")

@@ -1,4 +1,4 @@
-"""dpdro tune (simulations/tune.py) with Optuna: seeded TPE, pruning, resumable storage, equal budgets,
+"""dpdro lab tune (simulations/tune.py) with Optuna: seeded TPE, pruning, resumable storage, equal budgets,
 confirmation on more seeds, the selection score. The trials are synthetic (``tune.train_trial`` replaced by a
 function of the trial's keys): no training runs here."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from dpdro.common.algorithm_specs import FloatRange
 from dpdro.common.config import Config, ConfigError
+from dpdro.server.objective import choose_by_objective, objective_terms, pack_terms, validation_objective
 from dpdro.simulations import tune
-from dpdro.simulations.objective import choose_by_objective, objective_terms, pack_terms, validation_objective
 
 DS, EPS = "mnist-st", 4.0
 
@@ -106,7 +106,7 @@ def test_choose_by_objective_takes_the_best_score_above_the_accuracy_floor():
 
 
 def test_mean_terms_averages_each_term_and_choose_by_terms_honours_the_floor():
-    from dpdro.simulations.objective import choose_by_terms, mean_terms
+    from dpdro.server.objective import choose_by_terms, mean_terms
 
     assert mean_terms([(0.5, 0.6, 0.9), (0.25, 0.4, 0.8)]) == pytest.approx((0.375, 0.5, 0.85))
     terms = [(0.5, 0.6, 0.80), (0.4, 0.7, 0.90), (0.5, 0.6, 0.85)]
@@ -276,7 +276,7 @@ def test_trial_config_trains_without_the_validation_split_and_final_keys_evaluat
 def test_a_second_tuner_on_the_same_search_is_refused(tmp_path, fake):
     root, configs = tmp_path / "runs", tmp_path / "configs"
     with tune._search_lock(root, DS, EPS):
-        with pytest.raises(ConfigError, match="another dpdro tune is running"):
+        with pytest.raises(ConfigError, match="another dpdro lab tune is running"):
             tune.run_tune(DS, EPS, ["dp-sgd"], 1, root, configs, jobs=1, confirm_seeds=1)
     assert fake.calls == []
     tune.run_tune(DS, EPS, ["dp-sgd"], 1, root, configs, jobs=1, confirm_seeds=1)  # released: runs
@@ -320,7 +320,7 @@ def test_report_without_a_search_leaves_the_document(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "TUNING.md").write_text("an earlier search")
-    assert main(["tune", "--report", "--root", str(tmp_path / "none"), "--docs", str(docs),
+    assert main(["lab", "tune", "--report", "--root", str(tmp_path / "none"), "--docs", str(docs),
                  "--configs", str(tmp_path / "configs")]) == 0
     assert (docs / "TUNING.md").read_text() == "an earlier search"
 
@@ -329,7 +329,7 @@ def test_command_line_runs_the_search_with_its_budget(tmp_path, fake):
     from dpdro.cli import main
 
     root, configs, docs = tmp_path / "runs", tmp_path / "configs", tmp_path / "docs"
-    args = ["tune", "--dataset", DS, "--trials", "2", "--methods", "dp-sgd", "dp-sgda", "--jobs", "1",
+    args = ["lab", "tune", "--dataset", DS, "--trials", "2", "--methods", "dp-sgd", "dp-sgda", "--jobs", "1",
             "--confirm-top", "1", "--confirm-seeds", "2", "--root", str(root), "--configs", str(configs),
             "--docs", str(docs)]
     assert main(args) == 0
@@ -337,11 +337,11 @@ def test_command_line_runs_the_search_with_its_budget(tmp_path, fake):
     assert (configs / "tuned" / f"{DS}-eps4-dp-sgda.toml").exists() and (configs / f"{DS}-eps4-best.toml").exists()
     assert "(per method: 2 TPE trials of at most 500 iterations, top 1 confirmed on 2 seeds)" in (
         docs / "TUNING.md").read_text()
-    assert main([*args[:3], "--trials", "1", *args[5:]]) == 2  # a smaller budget: a clear error, exit status 2
+    assert main([*args[:4], "--trials", "1", *args[6:]]) == 2  # a smaller budget: a clear error, exit status 2
 
 
 def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_path, monkeypatch, capsys):
-    """dpdro tune --probe: the trial's protocol (validation split, trial length, the method's fixed keys) with the
+    """dpdro lab tune --probe: the trial's protocol (validation split, trial length, the method's fixed keys) with the
     given keys on top, in probes/ under the search folder, resumed rather than rerun, and no study written."""
     from dpdro.cli import main
     from dpdro.simulations import runner
@@ -358,7 +358,7 @@ def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_pat
         return str(out), None
 
     monkeypatch.setattr(runner, "run_one", fake_run_one)
-    args = ["tune", "--dataset", DS, "--methods", "dp-double-spider", "--root", str(tmp_path), "--probe",
+    args = ["lab", "tune", "--dataset", DS, "--methods", "dp-double-spider", "--root", str(tmp_path), "--probe",
             "dro-reference=uniform", "lambda=0.5", "q=1"]
     assert main(args) == 0
     (values,) = calls
@@ -370,7 +370,7 @@ def test_probe_runs_one_point_with_the_trial_protocol_outside_the_search(tmp_pat
     assert main(args) == 0 and len(calls) == 1  # finished: not run again
     assert not (tune.search_dir(tmp_path, DS, 4.0) / "optuna.journal").exists()
     assert main([*args[:-1], "q=7.5"]) == 2 and len(calls) == 1  # a bad value: refused before any run
-    assert main(["tune", "--methods", "dp-sgd", "dp-sgda", "--root", str(tmp_path), "--probe", "q=1"]) == 2
+    assert main(["lab", "tune", "--methods", "dp-sgd", "dp-sgda", "--root", str(tmp_path), "--probe", "q=1"]) == 2
     # the batch as the CLI gives it (text): the protocol scales it and halves it for the difference batch
     assert main([*args, "refresh-batch=1024"]) == 0 and len(calls) == 2
     assert (calls[-1]["refresh-batch"], calls[-1]["diff-batch"], calls[-1]["s-batch"]) == (1024, 512, 1024)

@@ -470,6 +470,18 @@ def test_plan_of_group_attribute_runs_on_groups_and_refuses_a_data_set_without(c
     assert main(["plan", "--set", *keys]) == 0
     out = capsys.readouterr().out
     assert "group-histogram" in out and "group-refresh" in out and "group-diff" in out
+    # --format json: the same plan as one object (releases in the text's order, the same figures)
+    import json
+
+    assert main(["plan", "--format", "json", "--set", *keys]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    table = out.split("noise multiplier\n", 1)[1].split("planned epsilon")[0]  # the rows under the header line
+    names = [ln.split()[0] for ln in table.splitlines() if ln]
+    assert [r["name"] for r in plan["releases"]] == names and "group-histogram" in names
+    assert plan["iterations"] == 4 and plan["epsilon_target"] == 4.0 and plan["accountant"] == "pld"
+    assert f"pld {plan['planned_epsilon']['pld']:.4f}, rdp {plan['planned_epsilon']['rdp']:.4f}" in out
+    for r in plan["releases"]:
+        assert f"{r['name']:<16}{r['count']:>7}{r['sampling_rate']:>15.4g}{r['noise_multiplier']:>18.4f}" in out
     no_groups = [k for k in keys if not k.startswith("csv-group")] + ["csv-features=f1,f2"]
     assert main(["plan", "--set", *no_groups]) == 2
     assert "config key 'dro-groups': got 'attribute'; data set 'csv' declares no group attribute" in (

@@ -409,7 +409,7 @@ def test_tuned_report_compares_against_the_strongest_baseline_and_checks_the_goa
     assert "strongest simple baseline **dp-sgd-la** (worst 0.640 +/- 0.010)" in text
     assert "dp-double-spider -0.140 (worse)" in text and "recursive-spider +0.020 (better)" in text
     assert "| dp-sgd (n=3) | " in text and "## fashion-mnist-st" in text
-    assert "Not run: not tuned yet (`dpdro tune --dataset fashion-mnist-st`" in text
+    assert "Not run: not tuned yet (`dpdro lab tune --dataset fashion-mnist-st`" in text
     assert PROFILES["tuned"].epsilons == (1.0, 4.0, 8.0) and len(PROFILES["tuned"].seeds) >= 3
 
 
@@ -504,7 +504,7 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     tune.transfer_tuned("fashion-mnist-st", "mnist-st", 4.0, ["dp-sgda"], configs)
     for ds in ("mnist-st", "fashion-mnist-st"):
         assert rechosen_tau_line(ds, 4.0, configs, ["dp-sgd", "dp-sgda"]).endswith(": dp-sgda (1.25).")
-    # the mark in a later comment line at the top (dpdro tune --choose-posthoc-tau adds one) counts too
+    # the mark in a later comment line at the top (dpdro lab tune --choose-posthoc-tau adds one) counts too
     tune.write_toml(configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml", {**src, "posthoc-tau": 0.5},
                     "# Transferred by `dpdro tune --dataset fashion-mnist-st --epsilon 4 --transfer-from mnist-st`.\n"
                     f"# {RECHOSEN_MARK} on fashion-mnist-st's validation split: 0.5.\n")
@@ -523,14 +523,14 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "TUNING.md").write_text("trials of a search")
-    assert main(["tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
+    assert main(["lab", "tune", "--dataset", "fashion-mnist-st", "--transfer-from", "mnist-st", "--methods", "dp-sgda",
                  "--configs", str(configs), "--docs", str(docs), "--root", str(tmp_path / "none")]) == 0
     assert (docs / "TUNING.md").read_text() == "trials of a search"
     assert tune.transferred_from("fashion-mnist-st", 4.0, configs) == "mnist-st"
 
 
 def test_main_job_is_the_tuned_best_configuration():
-    """`make run` trains exactly the configuration `dpdro tune` selected for MNIST-ST at epsilon 4 (only the
+    """`make run` trains exactly the configuration `dpdro lab tune` selected for MNIST-ST at epsilon 4 (only the
     run directory, the evaluation and checkpoint cadence differ), so the quick start shows the goal-figure setting."""
     import tomllib
     from pathlib import Path

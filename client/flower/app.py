@@ -34,7 +34,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
+from ...common.atomic import atomic_writer
 from ...common.config import Config, keys_with_role
+from ...common.errors import DpdroError
 from ...common.flower.wire import pack_replies, unpack_queries
 
 app = ClientApp()
@@ -51,7 +53,7 @@ def _run_key(cfg: Config) -> tuple:
 KEEP_VERSIONS = 3  # SPIDER needs the current and previous iterate; one spare
 
 
-class PartitionError(ValueError):
+class PartitionError(ValueError, DpdroError):
     """The node's partition settings disagree with the run's configuration."""
 
 
@@ -99,7 +101,6 @@ def shard_cache_path(cfg: Config, pid: int):
 def _load_shard(cfg: Config, pid: int):
     """The node's shard (ArrayDataset): from its local cache file when present, else built from the data
     set and partition and written to that file atomically (a failed write only costs the cache)."""
-    import os
     import zipfile
 
     import numpy as np
@@ -125,13 +126,10 @@ def _load_shard(cfg: Config, pid: int):
     if path is None:
         return shard
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.part.npz")
         groups = shard.groups.numpy() if shard.groups is not None else np.zeros(0, np.int64)
-        np.savez(tmp, x=shard.x.numpy(), y=shard.y.numpy(), num_classes=shard.num_classes, name=shard.name,
-                 groups=groups, num_groups=shard.num_groups if shard.groups is not None else 0)
-        os.replace(tmp, path)
-        os.chmod(path, 0o600)  # the node's own records: readable by the node's user only
+        with atomic_writer(path, mode=0o600) as f:  # the node's own records: readable by the node's user only
+            np.savez(f, x=shard.x.numpy(), y=shard.y.numpy(), num_classes=shard.num_classes, name=shard.name,
+                     groups=groups, num_groups=shard.num_groups if shard.groups is not None else 0)
     except OSError as e:
         log.warning("could not write shard cache %s: %s", path, e)
     return shard

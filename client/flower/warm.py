@@ -37,6 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ...common.atomic import atomic_write_bytes
+from ...common.errors import RunFailed
+
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_SECONDS = 600.0  # node config warm-seconds: exit after this long without a request
@@ -45,7 +48,7 @@ NODE_KEY = "warm-seconds"
 _SOURCE = Path(__file__).resolve().parents[1].parent  # the folder holding client/, common/, server/
 
 
-class WarmUnavailable(RuntimeError):
+class WarmUnavailable(RuntimeError, RunFailed):
     """The warm worker could not be reached or did not answer; the ClientApp computes the reply itself."""
 
 
@@ -121,11 +124,7 @@ def _connect(ep: Endpoint):
 
 def _start(ep: Endpoint, idle: float, watch_pid: int) -> subprocess.Popen:
     """A new warm worker for ``ep``: a fresh key file (0600, atomic), then the process, in this process group."""
-    tmp = ep.key_file.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-    os.replace(tmp, ep.key_file)
+    atomic_write_bytes(ep.key_file, secrets.token_bytes(32), mode=0o600)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(ep.address)  # a stale socket of a dead worker
     env = dict(os.environ)

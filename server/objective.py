@@ -1,4 +1,5 @@
-"""What ``dpdro tune`` maximises: a validation score that still orders runs when every worst class is at 0.
+"""What ``dpdro lab tune`` maximises and ``dpdro evaluate --posthoc-tau`` chooses by: a validation score that
+still orders runs when every worst class is at 0.
 
 A run's validation figures are reduced to three terms, compared in this order (lexicographically):
 
@@ -82,7 +83,7 @@ def choose_by_objective(evaluations: Sequence[Mapping], min_accuracy: float = 0.
 
 def mean_terms(terms: Sequence[Sequence[float]]) -> tuple[float, float, float]:
     """The term-wise mean of several evaluations' (worst, two-lowest mean, accuracy), e.g. of one configuration's
-    seeds: the mean of the worst-class accuracies, as ``dpdro tune`` scores a candidate over its confirmation
+    seeds: the mean of the worst-class accuracies, as ``dpdro lab tune`` scores a candidate over its confirmation
     seeds (not the worst class of the mean accuracies). Raises ValueError for an empty sequence."""
     if not terms:
         raise ValueError("evaluations: got none; allowed: at least one (worst, two lowest, accuracy)")

@@ -1,0 +1,7 @@
+"""``python -m dpdro.cli``: the ``dpdro`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

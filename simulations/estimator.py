@@ -1,0 +1,478 @@
+"""Estimator diagnostics of the SPIDER-type methods: where a gradient-difference release can beat a refresh.
+
+    dpdro lab estimator --root DIR [--methods dp-double-spider recursive-spider]
+        [--levels record group] [--epsilon 1 4] [--q 1 2 4 8 16] [--measure 32] [--skip 0]
+        [--target-records 2000] [--trajectory-q 1] [--config FILE] [--set key=value ...]
+
+Along one fixed trajectory of public iterates, each SPIDER block of a method (its ``spider_pairs``: the x block,
+dp-double-spider's eta block, recursive-spider's v/u block, the group level's group-loss block) releases, for
+phase length q, the estimate
+
+    b_t = R_{t0} + D_{t0+1} + ... + D_t,   t0 = t - (t mod q),
+
+R a refresh and D the differences, each a Poisson-sampled, clipped, noised mean. Its mean squared error against
+the target g_t = (1/m) sum_i clip_{C}(v_i(x_t)) (the full-batch clipped value: what a refresh at rate 1 without
+noise releases at x_t) splits exactly into three terms, because the batches and the noises are independent:
+
+    E ||b_t - g_t||^2 = ||E b_t - g_t||^2                                    clipping bias
+                      + sum_k (1 - r_k) / N_k * (1/m) sum_i ||c_ik||^2       sampling variance
+                      + sum_k D_k (z_k S_k f(n) / N_k)^2                     DP noise
+
+over the releases k of the phase up to t: c_ik record i's clipped vector in release k, r_k its sampling rate,
+N_k = r_k n its expected batch, D_k its coordinates, z_k its noise multiplier, S_k its sensitivity (the clip, with
+the clipped-count coordinate) and f(n) the float64 rounding factor (``server/release.py``). E b_t sums the
+clipped means of the releases, so the bias is what clipping does to the estimate beyond the target's own clip:
+zero at q = 1; with differences, the cut of the difference clip C_t = min(C_diff Delta_t, C_max) (and the change
+of the refresh clip's cut over the phase). Every per-record vector comes from the clients' own code
+(``client.worker.ShardWorker.record_rows``, the chunks that ``clipped_total`` clips and sums), the clip from
+``common.per_sample``, the noise multipliers from the product's calibration of each q's own release plan
+(``server.engine.plan_run``: equal total epsilon, the allocation rule included), the sensitivities from the
+releaser's decoration of each query. The terms are computed, not sampled.
+
+The trajectory: the method's own run at ``--trajectory-q`` (default 1) through the product's releaser
+(setup releases, calibrated noise, Poisson batches, warm-up), its noise and batches drawn from ``seed``; its
+states (x_t, x_{t-1}, the dual variables, the group weights) are public iterates, and every q is measured at the
+same ones, so the trajectory does not depend on the estimator being measured. The queries of a q-run at those
+states are the algorithm's own (``queries``): the difference clip C_t is the one a run would use there. For the
+target and the per-record terms, a fixed uniform subsample of ``target-records`` training records stands for the
+n records (its mean for theirs; sampling rates and batch sizes are those of the n records).
+
+A measurement on the training records, not a private release: nothing it prints is covered by the ledger (like
+the tuning searches, docs/research/TUNING.md). The estimate is in the units the algorithm updates with
+(recursive-spider's v/u releases divided by k_t, ``release_unit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import logging
+import math
+import sys
+import tempfile
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..client.local_transport import LocalTransport
+from ..client.worker import ShardWorker
+from ..common.config import Config, ConfigError, parse_set_args
+from ..common.data import ArrayDataset, load_from_config
+from ..common.messages import Query
+from ..common.model_init import prepare_model
+from ..common.models import make_model, resolve_model
+from ..common.per_sample import FlatModel, RowBlocks, clip_margin, clipped_sum_and_count, norm_upper_bound
+from ..server import setup as setup_releases
+from ..server.algorithms import make_algorithm
+from ..server.algorithms.base import Algorithm, State
+from ..server.engine import plan_run, resolve_delta
+from ..server.ledger import Ledger
+from ..server.releaser import Releaser
+from ..server.rundir import RunDir, atomic_write_bytes, write_json
+from .tuned import tuned_config_path
+
+log = logging.getLogger(__name__)
+
+REFRESH, DIFF = "refresh", "diff"
+DEFAULT_QS = (1, 2, 4, 8, 16)
+TERMS = ("sampling", "noise", "clip_bias")
+ROW_COLUMNS = ("method", "level", "block", "epsilon", "q", "t", "kind", "mse", "sampling", "noise", "clip_bias",
+               "target_sq", "clip", "clip_fraction", "clip_ratio", "step_norm")
+SUMMARY_COLUMNS = ("method", "level", "block", "epsilon", "q", "epsilon_planned", "z_refresh", "z_diff", "mse",
+                   "sampling", "noise", "clip_bias", "target_sq", "mse_vs_q1", "dominant", "step_norm", "diff_clip",
+                   "diff_clip_fraction", "diff_clip_ratio")
+
+
+@dataclass(frozen=True)
+class ReleaseStats:
+    """One release measured on the target records (m of them).
+
+    mean: (D,) float64, (1/m) sum_i clip_C(v_i), in the release's own units; mean_sq: (1/m) sum_i ||clip_C(v_i)||^2;
+    clip_fraction: the fraction of records whose vector the clip scaled down (the product's clipped count: a record
+    at C within rounding counts, ``per_sample.clip_scales``); clip_ratio: the mean of ||v_i|| / C over the records
+    longer than C (nan when none); clip: C (inf: none); rate: the query's sampling rate r (of the n records);
+    dim: D; sensitivity: S f(n), the per-record bound its noise is calibrated to (``Releaser.noise_sensitivity``);
+    unit: the factor that turns the release into the estimator's units (``release_unit``)."""
+
+    mean: np.ndarray
+    mean_sq: float
+    clip_fraction: float
+    clip_ratio: float
+    clip: float
+    rate: float
+    dim: int
+    sensitivity: float
+    unit: float = 1.0
+
+
+def release_stats(worker: ShardWorker, query: Query, versions: Mapping[int, np.ndarray], sensitivity: float,
+                  unit: float = 1.0) -> ReleaseStats:
+    """``ReleaseStats`` of ``query`` over every record of ``worker`` (rate 1, no noise): the per-record vectors of
+    ``ShardWorker.record_rows``, clipped and summed by ``per_sample.clipped_sum_and_count`` (as ``clipped_total``
+    does), their norms from the same norm bound that sets the clip factor. ``versions``: id -> (d,) parameters."""
+    m = worker.num_records
+    total = torch.zeros(query.dim, dtype=torch.float64)
+    sq, clipped, longer, ratio = 0.0, 0, 0, 0.0
+    for v in worker.record_rows(query, versions):
+        if isinstance(v, RowBlocks):
+            bound, dtype = v.norm_upper_bound(), v.blocks[0].dtype
+        else:
+            bound, dtype = norm_upper_bound(v), v.dtype
+        norms = torch.where(torch.isfinite(bound), bound / (1.0 + clip_margin(dtype)), torch.zeros_like(bound))
+        part, n_clipped = clipped_sum_and_count(v, query.clip)
+        total += part.cpu()
+        clipped += n_clipped
+        if math.isfinite(query.clip):
+            cut = norms > query.clip
+            longer += int(cut.sum())
+            ratio += float((norms[cut] / query.clip).sum())
+            norms = torch.clamp(norms, max=query.clip)
+        sq += float((norms.to(torch.float64) ** 2).sum())
+    return ReleaseStats(total.numpy() / m, sq / m, clipped / m, ratio / longer if longer else math.nan, query.clip,
+                        query.rate, query.dim, sensitivity, unit)
+
+
+def release_unit(algo: Algorithm, state: State, mechanism: str) -> float:
+    """The factor that turns a release of ``mechanism`` at ``state`` into the estimator ``apply`` accumulates:
+    1 / k_t for recursive-spider's v/u releases (``vu_scale``: lambda_t / s_{t-1} with rs-clip-units=relative),
+    1 for every other release."""
+    scale = getattr(algo, "vu_scale", None)
+    return 1.0 / scale(state) if scale is not None and mechanism.startswith("vu-") else 1.0
+
+
+def estimate_terms(refresh: ReleaseStats, diffs: Sequence[ReleaseStats], target: ReleaseStats, n: int,
+                   z_refresh: float, z_diff: float) -> dict[str, float]:
+    """The three terms (module docstring) of the estimate R + D_1 + ... + D_k against ``target`` (the refresh at
+    the estimate's own point), for n records and noise multipliers z_refresh, z_diff: {'clip_bias', 'sampling',
+    'noise', 'mse' (their sum), 'target_sq' (||target||^2)}, all in the estimator's units squared."""
+    releases = [(refresh, z_refresh), *((d, z_diff) for d in diffs)]
+    expected = sum(s.unit * s.mean for s, _ in releases)
+    goal = target.unit * target.mean
+    bias = float(np.sum((expected - goal) ** 2))
+    sampling = sum(s.unit**2 * (1.0 - s.rate) / (s.rate * n) * s.mean_sq for s, _ in releases)
+    noise = sum(s.unit**2 * s.dim * (z * s.sensitivity / (s.rate * n)) ** 2 for s, z in releases if z > 0)
+    return {"mse": bias + sampling + noise, "sampling": sampling, "noise": noise, "clip_bias": bias,
+            "target_sq": float(np.sum(goal**2))}
+
+
+@dataclass
+class Trajectory:
+    """The recorded run: ``states`` before every round (t, stage) from t = 0 up to the last measured iteration;
+    ``releaser``: its releaser (after the run: it decorates queries as the run's were, with the run's logit
+    offset); ``algo``: its algorithm; ``n``, ``delta``, ``dim``; ``noise``: its calibrated multipliers."""
+
+    states: list[State]
+    releaser: Releaser
+    algo: Algorithm
+    n: int
+    delta: float
+    dim: int
+    noise: dict[str, float]
+
+
+def _model_dim_and_x0(cfg: Config, train: ArrayDataset) -> tuple[int, np.ndarray]:
+    """(trainable parameters d, initial flat parameters x0 (d,) float64): the engine's initial model."""
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+    base = make_model(resolve_model(cfg.model, cfg.dataset), train.num_classes, cfg.seed, dtype,
+                      tuple(train.x.shape[1:]), cfg.model_fix)
+    prepare_model(base, cfg.init_weights, cfg.trainable)
+    model = FlatModel(base)
+    return model.dim, model.initial().double().numpy()
+
+
+def record_trajectory(cfg: Config, train: ArrayDataset, iterations: int) -> Trajectory:
+    """Run ``cfg`` for ``iterations`` iterations through the product's releaser (setup releases, ledger,
+    calibrated noise of the whole configured plan, the clients' Poisson batches) and keep every state before a
+    round. The events go to a temporary run directory. ValueError for iterations beyond cfg's plan."""
+    if not 1 <= iterations <= cfg.iterations:
+        raise ValueError(f"the trajectory needs 1 to iterations = {cfg.iterations} iterations, got {iterations}")
+    n = len(train)
+    delta = resolve_delta(cfg, n)
+    dim, x0 = _model_dim_and_x0(cfg, train)
+    algo = make_algorithm(cfg, n, dim, train.num_classes, train.num_groups)
+    plan, noise, _ = plan_run(cfg, algo, n, delta)
+    transport = LocalTransport(cfg, train)
+    states: list[State] = []
+    with tempfile.TemporaryDirectory(prefix="dpdro-estimator-") as tmp:
+        rd = RunDir(tmp)
+        releaser = Releaser(cfg, transport, Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant), n, rd)
+        setup = setup_releases.initial(cfg, train.num_classes)
+        for stage in setup_releases.stages(cfg, train.num_classes, train.num_groups):
+            releaser.offset = setup.offset(cfg.tau)
+            setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
+        state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
+        releaser.offset = setup.offset(cfg.tau)
+        while state.t < iterations:
+            states.append(state)
+            state = algo.advance(state, releaser.run(algo.queries(state), algo.versions(state)))
+    transport.close()
+    return Trajectory(states, releaser, algo, n, delta, dim, noise)
+
+
+def noise_plan(cfg: Config, n: int, dim: int, num_classes: int, num_groups: int,
+               delta: float) -> tuple[dict[str, float], float]:
+    """(mechanism -> calibrated noise multiplier, epsilon the whole plan spends by the ledger) of ``cfg``'s own
+    release plan: ``engine.plan_run`` (setup releases, the noise-allocation rule, calibration), the epsilon from a
+    ``Ledger`` of that plan (``epsilon_if_completed``; inf when not private)."""
+    algo = make_algorithm(cfg, n, dim, num_classes, num_groups)
+    plan, noise, _ = plan_run(cfg, algo, n, delta)
+    return noise, Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant).epsilon_if_completed()
+
+
+@dataclass
+class Diagnosis:
+    """What ``diagnose`` measured: ``rows`` (one per block, q and t; ``ROW_COLUMNS``), ``summary`` (one per block
+    and q, averaged over t; ``SUMMARY_COLUMNS``), ``facts`` (n, delta, records, trajectory, noise per q) and the
+    ``trajectory`` itself."""
+
+    rows: list[dict]
+    summary: list[dict]
+    facts: dict
+    trajectory: Trajectory
+
+
+def check_request(cfg: Config, qs: Sequence[int], measure: int, skip: int, target_records: int,
+                  trajectory_q: int) -> None:
+    """Refuse a diagnosis that cannot run, before any work: ValueError (a ConfigError for a config key) naming
+    the argument, the value and what is allowed."""
+    if not qs or any(int(q) != q or q < 1 for q in qs):
+        raise ValueError(f"q: got {list(qs)}; allowed: one or more integers >= 1")
+    if measure < 1:
+        raise ValueError(f"measure: got {measure}; allowed: an integer >= 1 (iterations measured)")
+    lcm = math.lcm(*qs)
+    if skip < 0 or skip % lcm:
+        raise ValueError(f"skip: got {skip}; allowed: a multiple of every q (of {lcm}), so that each q starts a "
+                         "phase at the first measured iteration")
+    if skip + measure > cfg.iterations:
+        raise ConfigError(f"config key 'iterations': got {cfg.iterations}; allowed: at least skip + measure = "
+                          f"{skip + measure} (the plan whose noise is measured)")
+    if target_records < 0:
+        raise ValueError(f"target-records: got {target_records}; allowed: 0 (every record) or more")
+    if trajectory_q < 1:
+        raise ValueError(f"trajectory-q: got {trajectory_q}; allowed: an integer >= 1")
+    if cfg.private and cfg.noise_mode != "central":
+        raise ConfigError(f"config key 'noise-mode': got {cfg.noise_mode!r}; allowed here: 'central' (the noise terms "
+                          "are those of a central release)")
+
+
+def _pairs(algo: Algorithm) -> list[tuple[str, str]]:
+    pairs = algo.spider_pairs()
+    if not pairs:
+        raise ConfigError(f"config key 'algorithm': got {algo.name!r}; allowed: a SPIDER-type method (one with "
+                          "refresh and difference releases, e.g. dp-double-spider, recursive-spider)")
+    return pairs
+
+
+def measure_releases(keys: Mapping[str, Any], trajectory: Trajectory, worker: ShardWorker, ts: range,
+                     with_diffs: bool, num_classes: int, num_groups: int) -> dict[tuple[str, int, str], ReleaseStats]:
+    """(refresh mechanism, t, 'refresh' | 'diff') -> ``ReleaseStats`` on ``worker``'s records of every SPIDER
+    block's refresh at each t in ``ts`` and (``with_diffs``) its difference at each t > ts.start, at the
+    trajectory's states: the queries that a q = 1 run and a run of one long phase of the configuration ``keys``
+    would send there, decorated by the trajectory's releaser."""
+    n, dim = trajectory.n, trajectory.dim
+    every = make_algorithm(Config.from_mapping({**keys, "q": 1}), n, dim, num_classes, num_groups)
+    long = make_algorithm(Config.from_mapping({**keys, "q": ts.stop + 1}), n, dim, num_classes, num_groups)
+    pairs = _pairs(every)
+    refresh_names = {r: r for r, _ in pairs}
+    diff_names = {d: r for r, d in pairs}
+    releaser = trajectory.releaser
+    out: dict[tuple[str, int, str], ReleaseStats] = {}
+    for state in trajectory.states:
+        if state.t not in ts:
+            continue
+        wanted = [(q, refresh_names[q.mechanism], REFRESH) for q in every.queries(state)
+                  if q.mechanism in refresh_names]
+        if with_diffs and state.t > ts.start:
+            wanted += [(q, diff_names[q.mechanism], DIFF) for q in long.queries(state) if q.mechanism in diff_names]
+        for query, block, kind in wanted:
+            query = releaser.decorate(query)
+            sensitivity = releaser.noise_sensitivity(query)
+            measured = Query(query.iteration, query.mechanism, query.quantity, query.points, query.rate, query.clip,
+                             query.dim, coefs=query.coefs, extra=query.extra, offset=query.offset)
+            out[(block, state.t, kind)] = release_stats(worker, measured, every.versions(state), sensitivity,
+                                                        release_unit(every, state, query.mechanism))
+            log.debug("measured %s at t=%d (%s)", query.mechanism, state.t, kind)
+    return out
+
+
+def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = DEFAULT_QS, measure: int = 32,
+             skip: int = 0, target_records: int = 2000, trajectory_q: int = 1, seed: int = 0) -> Diagnosis:
+    """Measure the estimator of the configuration ``keys`` (kebab-case config keys; its q is replaced by each of
+    ``qs``) on the training records ``train``, at iterations skip .. skip + measure - 1 of the trajectory of its
+    run at q = ``trajectory_q`` (noise and batches drawn from ``seed``, reproducibly), against the full-batch
+    target on ``target_records`` records of ``train`` drawn uniformly from ``seed`` (0 or >= n: all of them).
+
+    Returns a ``Diagnosis``. Raises ConfigError for a bad key (or a method without SPIDER blocks) and ValueError
+    for a bad argument (``check_request``), both before any work."""
+    base = {**keys, "reproducible": True, "reproducible-for-testing": True, "seed": seed}
+    cfg = Config.from_mapping(base)
+    check_request(cfg, qs, measure, skip, target_records, trajectory_q)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    n = len(train)
+    trajectory_cfg = Config.from_mapping({**base, "q": trajectory_q})
+    _pairs(make_algorithm(trajectory_cfg, n, 1, train.num_classes, train.num_groups))
+    log.info("trajectory: %s at q=%d, %d iterations", cfg.algorithm, trajectory_q, skip + measure)
+    trajectory = record_trajectory(trajectory_cfg, train, skip + measure)
+    rng = np.random.default_rng(seed)
+    m = n if target_records == 0 or target_records >= n else target_records
+    idx = np.arange(n) if m == n else np.sort(rng.choice(n, size=m, replace=False))
+    worker = ShardWorker(cfg, train.subset(idx), 0)
+    ts = range(skip, skip + measure)
+    log.info("measuring %d iterations on %d target records", measure, m)
+    stats = measure_releases(base, trajectory, worker, ts, max(qs) > 1, train.num_classes, train.num_groups)
+    pairs = _pairs(trajectory.algo)
+    step = {s.t: trajectory.algo.diagnostics(s).get("step_norm", math.nan) for s in trajectory.states
+            if s.stage == 0}
+    rows, plans = [], {}
+    for q in qs:
+        q_cfg = Config.from_mapping({**base, "q": q})
+        noise, eps = noise_plan(q_cfg, n, trajectory.dim, train.num_classes, train.num_groups, trajectory.delta)
+        plans[q] = {"noise": noise, "epsilon_planned": eps}
+        for ref, diff in pairs:
+            for t in ts:
+                t0 = t - t % q
+                terms = estimate_terms(stats[(ref, t0, REFRESH)], [stats[(ref, k, DIFF)] for k in range(t0 + 1, t + 1)],
+                                       stats[(ref, t, REFRESH)], n, noise[ref], noise[diff])
+                kind = REFRESH if t == t0 else DIFF
+                this = stats[(ref, t, kind)]
+                rows.append({"method": cfg.algorithm, "level": cfg.dro_level, "block": block_name(ref),
+                             "epsilon": cfg.epsilon, "q": q, "t": t, "kind": kind, **terms, "clip": this.clip,
+                             "clip_fraction": this.clip_fraction, "clip_ratio": this.clip_ratio,
+                             "step_norm": step.get(t, math.nan)})
+    facts = {"n": n, "delta": trajectory.delta, "target_records": m, "dim": trajectory.dim, "seed": seed,
+             "iterations_planned": cfg.iterations, "measured": [skip, skip + measure - 1],
+             "trajectory": f"{cfg.algorithm} at q={trajectory_q}, dro-level={cfg.dro_level}, epsilon={cfg.epsilon:g}",
+             "trajectory_noise": trajectory.noise, "plans": plans, "keys": {k: _plain(v) for k, v in keys.items()}}
+    return Diagnosis(rows, summarise(rows, plans, pairs), facts, trajectory)
+
+
+def block_name(refresh: str) -> str:
+    """The block of a SPIDER pair, named by its refresh mechanism without '-refresh' ('x-refresh' -> 'x')."""
+    return refresh.removesuffix("-refresh")
+
+
+def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple[str, str]]) -> list[dict]:
+    """One row per (method, level, block, epsilon, q): the means over t of mse and its terms, the term with the
+    largest mean ('dominant'; 'none' when all are 0), mse relative to q = 1's (when measured), the planned epsilon
+    and noise multipliers, the mean step length Delta_t, and the mean clip, clipped fraction and cut ratio of the
+    difference releases."""
+    out = []
+    refresh_of = {block_name(r): (r, d) for r, d in pairs}
+    keys = sorted({(r["method"], r["level"], r["block"], r["epsilon"], r["q"]) for r in rows},
+                  key=lambda k: (k[0], k[1], k[2], k[3], k[4]))
+    for method, level, block, eps, q in keys:
+        mine = [r for r in rows if (r["method"], r["level"], r["block"], r["epsilon"], r["q"]) ==
+                (method, level, block, eps, q)]
+        means = {k: float(np.mean([r[k] for r in mine])) for k in ("mse", *TERMS, "target_sq")}
+        diffs = [r for r in mine if r["kind"] == DIFF]
+        ref, diff = refresh_of[block]
+        out.append({"method": method, "level": level, "block": block, "epsilon": eps, "q": q,
+                    "epsilon_planned": plans[q]["epsilon_planned"], "z_refresh": plans[q]["noise"][ref],
+                    "z_diff": plans[q]["noise"][diff], **means, "mse_vs_q1": math.nan,
+                    "dominant": max(TERMS, key=lambda k: means[k]) if max(means[k] for k in TERMS) > 0 else "none",
+                    "step_norm": _mean([r["step_norm"] for r in mine]),
+                    "diff_clip": _mean([r["clip"] for r in diffs]),
+                    "diff_clip_fraction": _mean([r["clip_fraction"] for r in diffs]),
+                    "diff_clip_ratio": _mean([r["clip_ratio"] for r in diffs])})
+    for row in out:
+        first = [o for o in out if o["q"] == 1 and all(o[k] == row[k] for k in ("method", "level", "block", "epsilon"))]
+        if first and first[0]["mse"] > 0:
+            row["mse_vs_q1"] = row["mse"] / first[0]["mse"]
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (bool, int, float, str)) else str(v)
+
+
+def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
+    """``rows`` as CSV with ``columns`` (floats with 6 significant digits)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: f"{r[k]:.6g}" if isinstance(r[k], float) else r[k] for k in columns})
+    return buf.getvalue()
+
+
+def table_text(summary: list[dict]) -> str:
+    """The summary as a Markdown table: per block and q the noise multipliers, the target's mean squared norm
+    ||g||^2, the mean terms, the dominant one, mse against q = 1, the mean step Delta_t and the difference clip's
+    statistics."""
+    head = ("| method | level | block | eps | q | z ref / diff | \\|g\\|^2 | mse | sampling | noise | clip bias | "
+            "dominant | mse / q=1 | step | diff clip | clipped | cut ratio |")
+    lines = [head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]  # \| is a pipe inside a cell
+    for r in summary:
+        lines.append(f"| {r['method']} | {r['level']} | {r['block']} | {r['epsilon']:g} | {r['q']} | "
+                     f"{r['z_refresh']:.3g} / {r['z_diff']:.3g} | {r['target_sq']:.3g} | {r['mse']:.3g} | "
+                     f"{r['sampling']:.3g} | {r['noise']:.3g} | {r['clip_bias']:.3g} | {r['dominant']} | "
+                     f"{r['mse_vs_q1']:.3g} | {r['step_norm']:.3g} | {r['diff_clip']:.3g} | "
+                     f"{r['diff_clip_fraction']:.3g} | {r['diff_clip_ratio']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def method_keys(dataset: str, method: str, config: str | None, sets: Mapping[str, Any]) -> dict[str, Any]:
+    """The base keys of ``method``: those of ``config`` (a TOML file) if given, else the tuned epsilon-4 file of
+    (dataset, method) when there is one (``simulations/configs/tuned/``), else none; then algorithm, dataset and
+    ``sets``. ConfigError for a file that is missing or not TOML."""
+    path = Path(config) if config else tuned_config_path(dataset, 4.0, method)
+    keys: dict[str, Any] = {}
+    if config or path.exists():
+        try:
+            keys = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"--config: cannot read {path} as TOML ({e})") from None
+    return {**keys, "algorithm": method, "dataset": dataset, **sets}
+
+
+def run(args: argparse.Namespace, error=None) -> int:
+    """The command (module docstring): writes estimator.csv (every row), estimator-summary.csv, estimator.json
+    (rows, summary and facts) and estimator.md (the summary table) into --out, and prints the table. A bad
+    request goes to ``error`` (argparse's, which exits 2) or raises ConfigError/ValueError."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    try:
+        sets = {"threads": 1, **parse_set_args(args.set)}
+        jobs = []
+        for method in args.methods:
+            for level in args.levels:
+                for eps in args.epsilon:
+                    keys = {**method_keys(args.dataset, method, args.config, sets), "dro-level": level,
+                            "epsilon": eps}
+                    check_request(Config.from_mapping({**keys, "reproducible": True,
+                                                       "reproducible-for-testing": True}),
+                                  args.q, args.measure, args.skip, args.target_records, args.trajectory_q)
+                    jobs.append(keys)
+    except (ConfigError, ValueError) as e:
+        if error is not None:
+            error(str(e))
+        raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
+    train = load_from_config(Config.from_mapping(jobs[0]), train=True)
+    rows, summary, facts = [], [], []
+    for keys in jobs:
+        d = diagnose(keys, train, args.q, args.measure, args.skip, args.target_records, args.trajectory_q, args.seed)
+        rows += d.rows
+        summary += d.summary
+        facts.append(d.facts)
+        print(table_text(d.summary), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "estimator.csv", csv_text(rows, ROW_COLUMNS).encode())
+    atomic_write_bytes(out / "estimator-summary.csv", csv_text(summary, SUMMARY_COLUMNS).encode())
+    atomic_write_bytes(out / "estimator.md", table_text(summary).encode())
+    write_json(out / "estimator.json", {"command": " ".join(sys.argv), "rows": rows, "summary": summary,
+                                        "runs": facts})
+    print(table_text(summary))
+    return 0

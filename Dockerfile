@@ -81,10 +81,12 @@ COPY --chown=app:app simulations ./simulations
 # Editable, as in the tested loopback deployment: Flower puts the unpacked app (FAB: dpdro/ holds only __init__.py, api.py
 # and cli/, the sub-packages are mapped from common/, server/, ...) first on sys.path, and the editable finder is what
 # resolves dpdro.server & co. behind it; a plain install would be shadowed by the FAB's partial dpdro/.
+# The [features] extra (kymatio) so that features=scatternet runs on every node: a node computes its own records'
+# scattering features (common/scattering.py).
 RUN --mount=type=bind,source=${WHEELS},target=/wheels \
     set -eu; \
     sed -i 's/"flwr\[simulation\]/"flwr/' pyproject.toml; \
-    PIP_CERT=/etc/ssl/certs/ca-certificates.crt python -m pip install --no-cache-dir --find-links /wheels -e .; \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt python -m pip install --no-cache-dir --find-links /wheels -e ".[features]"; \
     rm -rf build; chown -R app:app /app/*.egg-info
 
 USER app

@@ -21,7 +21,7 @@ from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
 from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
-from ..common.per_sample import FlatModel, RowBlocks, clipped_sum_and_count
+from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
 
@@ -207,6 +207,8 @@ def _combined_rows(fn, model: FlatModel, flats, scalars, coefs, xb: torch.Tensor
     if rows_fn is not None:
         terms = [rows_fn(model, flat, scalar, xb, yb, problem, extra, **kw)
                  for flat, scalar in zip(flats, scalars, strict=True)]
+        if all(isinstance(t, OuterRows) for t in terms) and (outer := combine_outer(terms, coefs)) is not None:
+            return outer  # a linear layer on fixed inputs: the points' rows differ in g only
         return RowBlocks([_combine([t.weighted_block(j) for t in terms], coefs)
                           for j in range(len(terms[0].blocks))])
     return _combine([fn(model, flat, scalar, xb, yb, problem, extra, **kw).detach()

@@ -249,9 +249,11 @@ CORE_FIELDS: tuple[Field, ...] = (
           role="algorithm"),
     Field("chunk-size", "int", 256, "Records per vectorised per-record gradient chunk (bounds memory).",
           low=1, high=1_000_000, role="runtime"),
-    Field("per-record-engine", "str", "torch.func", "Library computing per-record gradients: 'torch.func' (vmap) "
-          "or 'opacus' (Opacus' grad-sample hooks; needs opacus installed); equal up to rounding, speed differs "
-          "by model and device (dpdro bench).", choices=("torch.func", "opacus"), role="runtime"),
+    Field("per-record-engine", "str", "torch.func", "Library computing per-record gradients: 'torch.func' (vmap), "
+          "'opacus' (Opacus' grad-sample hooks; needs opacus installed) or 'ghost' (ghost clipping of a model "
+          "whose trainable parameters are one linear layer's, e.g. scatter-linear or trainable=head: norms and "
+          "sums without per-record gradient vectors); equal up to rounding, speed differs by model and device "
+          "(dpdro bench).", choices=("torch.func", "opacus", "ghost"), role="runtime"),
     Field("threads", "int", 0, "Torch intra-op threads (0: torch's default).", low=0, high=1024, role="runtime"),
     Field("tensorboard", "bool", False, "Also write every evaluation's metrics as TensorBoard scalars into "
           "<out-dir>/tensorboard (needs the 'tensorboard' extra; view with tensorboard --logdir <out-dir>).",

@@ -552,11 +552,11 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
     num_classes, num_groups = num_classes or spec.num_classes, num_groups or spec.num_groups
     labels_np = labels.numpy()
     idx = np.arange(len(labels_np), dtype=np.int64)
-    if split in ("train", "val") and not spec.own_validation:
-        if spec.long_tailed:
-            idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
-        if validation_fraction > 0:
-            idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
+    if split in ("train", "val") and not spec.own_validation and spec.long_tailed:
+        idx = long_tailed_indices(labels_np, num_classes, imbalance_ratio)
+    whole = idx  # the split's records before a validation carve-out: the features' cache entry (below)
+    if split in ("train", "val") and not spec.own_validation and validation_fraction > 0:
+        idx = idx[validation_split(labels_np[idx], validation_fraction, split_seed)[split == "val"]]
     idx = idx[even_subset(len(idx), max_records)]
     if not len(idx):
         name = {"val": "validation"}.get(split, split)
@@ -565,7 +565,13 @@ def load_dataset(dataset: str, train: bool | str, *, data_root: str = AUTO, cach
                         "set allows (a split carved from the training data, by validation-fraction or as the 20% "
                         "test split of user data without a test file, takes a rounded fraction of every class)")
     t = torch.as_tensor(idx)
-    x = compute_features(_to_float(images[t]), features, cache, dataset)
+    if features != "none" and not max_records and len(whole) > len(idx):
+        # a validation carve-out and the rest of the split read one cache entry: the features of every record of
+        # the split, computed once (a record's features depend on that record alone)
+        at = torch.as_tensor(np.searchsorted(whole, idx))  # whole is ascending (arange, long_tailed_indices)
+        x = compute_features(_to_float(images[torch.as_tensor(whole)]), features, cache, dataset)[at]
+    else:
+        x = compute_features(_to_float(images[t]), features, cache, dataset)
     return ArrayDataset(x, labels[t].clone(), num_classes, dataset,
                         None if groups is None else groups[t].clone(), num_groups if groups is not None else 0,
                         tuple(class_names), skipped, str(Path(source).resolve()))

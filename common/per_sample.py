@@ -7,10 +7,17 @@ one of two *engines* behind ``FlatModel.losses_and_grads`` (config key ``per-rec
 
 - 'torch.func' (default): ``vmap(grad(...))`` over records (no Python loop over records);
 - 'opacus': Opacus' grad-sample hooks (``opacus.GradSampleModule``, per-layer outer products), which
-  ``dpdro lab bench`` measures against torch.func per model and device
-  (docs/research/PERFORMANCE.md). Needs opacus installed.
+  ``dpdro lab bench`` measures against torch.func per model and device (docs/research/PERFORMANCE.md). Needs opacus
+  installed;
+- 'ghost': for a model whose trainable parameters are one ``nn.Linear`` layer's (a linear head on fixed features:
+  scatter-linear, or trainable=head), each record's gradient is the outer product g_i h_i^T (g_i the gradient of
+  its loss at the layer's output, h_i the layer's input; the bias's is g_i), so its norm is
+  ||g_i|| sqrt(||h_i||^2 + 1) and the clipped sum is one (K, B) x (B, in) product: ghost clipping (Li et al.,
+  ICLR 2022, "Large language models can be strong differentially private learners", sec. 4; Opacus'
+  ``compute_linear_norm_sample``), without the (B, d) matrix (``OuterRows``). The norm is computed here, not
+  taken from Opacus, because the clip needs an upper bound that covers rounding (``OuterRows.norm_upper_bound``).
 
-Both give the same gradients up to rounding (tests/test_per_sample.py checks 1e-6). Callers chunk large batches
+The engines give the same gradients up to rounding (tests/test_per_sample.py checks 1e-6). Callers chunk large batches
 to bound memory. ``FlatModel.losses_and_grad_blocks`` gives the gradients as one (B, numel) block per parameter,
 where the engine leaves them; ``RowBlocks`` (blocks times a per-record factor) is clipped and summed without
 forming the (B, d) matrix, which is what a refresh release does (``quantities.row_blocks``).
@@ -29,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-ENGINES = ("torch.func", "opacus")
+ENGINES = ("torch.func", "opacus", "ghost")
 
 
 class FlatModel:
@@ -39,8 +46,9 @@ class FlatModel:
         module: a validated model (see ``models.validate_model``); its buffers, and its parameters with
             ``requires_grad`` False (frozen: config key ``trainable``, ``model_init.prepare_model``), are used as
             they are. The flat vector, the gradients and ``dim`` cover the trainable parameters only.
-        engine: per-record gradient engine, one of ``ENGINES`` (module docstring). ValueError otherwise, and
-            ValueError for a module without a trainable parameter.
+        engine: per-record gradient engine, one of ``ENGINES`` (module docstring). ValueError otherwise,
+            ValueError for a module without a trainable parameter, and for 'ghost' when the trainable parameters
+            are not one ``nn.Linear`` layer's weight (and bias).
     """
 
     def __init__(self, module: nn.Module, engine: str = "torch.func") -> None:
@@ -64,6 +72,7 @@ class FlatModel:
         self.dim = sum(self.numels)
         self.dtype = named[0][1].dtype
         self.buffers = dict(module.named_buffers())
+        self._linear = _ghost_layer(module, self.names) if engine == "ghost" else None
 
     def initial(self) -> torch.Tensor:
         """The module's current trainable parameters as a flat (d,) tensor."""
@@ -100,6 +109,9 @@ class FlatModel:
         them, without the (B, d) copy. ``offset`` (K,) as in ``losses``."""
         if self.engine == "opacus":
             return self._opacus_losses_and_grads(flat, x, y, offset)
+        if self.engine == "ghost":
+            losses, rows = self.losses_and_grad_rows(flat, x, y, offset)
+            return losses, rows.blocks
 
         def one(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             out = functional_call(self.module, (params, self.buffers), (xi.unsqueeze(0),))
@@ -107,6 +119,35 @@ class FlatModel:
 
         grads, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(self.unflatten(flat), x, y)
         return losses, [grads[n].reshape(x.shape[0], -1) for n in self.names]
+
+    def losses_and_grad_rows(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                             offset: torch.Tensor | None = None) -> tuple[torch.Tensor, RowBlocks]:
+        """Per-record cross-entropy (B,) and its gradients as ``RowBlocks`` (rows (B, d)): with the 'ghost'
+        engine in factored form (``OuterRows``: no (B, d) matrix), else the engine's blocks. ``offset`` as in
+        ``losses``."""
+        if self.engine != "ghost":
+            losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+            return losses, RowBlocks(blocks)
+        layer, seen = self._linear, []
+
+        def hook(mod, inputs, out):  # the layer's input h and a leaf for its output, whose gradient is g
+            seen.append((inputs[0].detach(), out.detach().requires_grad_()))
+            return seen[-1][1]
+
+        handle = layer.register_forward_hook(hook)
+        try:
+            with torch.enable_grad():
+                logits = functional_call(self.module, (self.unflatten(flat), self.buffers), (x,))
+                losses = F.cross_entropy(logits if offset is None else logits + offset, y, reduction="none")
+                if len(seen) != 1 or seen[0][0].dim() != 2:
+                    raise ValueError("per-record engine 'ghost' needs the trainable nn.Linear layer called once per "
+                                     f"forward on (B, in) inputs; it was called {len(seen)} time(s) on "
+                                     f"{[tuple(h.shape) for h, _ in seen]}: use per-record-engine 'torch.func'")
+                h, out = seen[0]
+                (g,) = torch.autograd.grad(losses.sum(), out)  # records are independent: row i is record i's
+        finally:
+            handle.remove()
+        return losses.detach(), OuterRows(g, h, layer.bias is not None and layer.bias.requires_grad)
 
     def _opacus_losses_and_grads(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                                  offset: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -196,6 +237,15 @@ class RowBlocks:
                                                                      device=self.blocks[0].device)
         return RowBlocks(self.blocks, base * c)
 
+    def weighted(self, factor: torch.Tensor) -> RowBlocks:
+        """These rows times a per-record factor (B,) (the rows' own factor, if any, kept)."""
+        return RowBlocks(self.blocks, factor if self.factor is None else self.factor * factor)
+
+    def clipped(self, bound: float) -> RowBlocks:
+        """These rows clipped to exact norm <= ``bound`` as ``clip_rows`` clips the dense rows (rows with NaN or Inf
+        become zero); the clip factor kept as the rows' factor where the form allows it (``OuterRows``)."""
+        return RowBlocks([clip_rows(self.dense(), bound)])
+
     def weighted_block(self, j: int) -> torch.Tensor:
         """Column block j times the factor, (B, d_j): the block itself, scaled in place (the blocks are this
         object's own; a block read this way must not be read again through it)."""
@@ -221,6 +271,105 @@ class RowBlocks:
             squares += _block_squares(b)
         norms = squares.sqrt() * (1.0 + clip_margin(self.blocks[0].dtype))
         return norms if self.factor is None else norms * self.factor.to(torch.float64).abs()
+
+
+class OuterRows(RowBlocks):
+    """Per-record gradients of one linear layer in factored form: row i is factor_i [vec(g_i h_i^T), g_i] (the
+    bias part only when ``bias``), g (B, K) the gradient of each record's loss at the layer's output, h (B, n) the
+    layer's input (the 'ghost' engine, ``FlatModel.losses_and_grad_rows``). ``blocks`` forms the (B, K n) and
+    (B, K) blocks on first use; ``clipped_sum_and_count`` never forms them.
+
+    Args: g (B, K) and h (B, n) of one dtype and device; bias (bool); factor (B,) or None for 1."""
+
+    def __init__(self, g: torch.Tensor, h: torch.Tensor, bias: bool, factor: torch.Tensor | None = None) -> None:
+        if g.dim() != 2 or h.dim() != 2 or g.shape[0] != h.shape[0]:
+            raise ValueError(f"outer rows need g (B, K) and h (B, n); got {tuple(g.shape)} and {tuple(h.shape)}")
+        self.g, self.h, self.bias, self.factor = g, h, bias, factor
+        self._blocks: list[torch.Tensor] | None = None
+        self._h64: torch.Tensor | None = None
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:  # type: ignore[override]
+        if self._blocks is None:
+            rows = self.g.shape[0]
+            self._blocks = [(self.g.unsqueeze(2) * self.h.unsqueeze(1)).reshape(rows, -1)]
+            if self.bias:
+                self._blocks.append(self.g.clone())
+        return self._blocks
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        k, n = self.g.shape[1], self.h.shape[1]
+        return self.g.shape[0], k * n + (k if self.bias else 0)
+
+    def scaled(self, c: float) -> OuterRows:
+        if c == 1.0:
+            return self
+        base = self.factor if self.factor is not None else torch.ones(self.g.shape[0], dtype=self.g.dtype,
+                                                                     device=self.g.device)
+        return OuterRows(self.g, self.h, self.bias, base * c)
+
+    def weighted(self, factor: torch.Tensor) -> OuterRows:
+        """These rows times a per-record factor (B,) (the rows' own factor, if any, kept)."""
+        return OuterRows(self.g, self.h, self.bias, factor if self.factor is None else self.factor * factor)
+
+    def clipped(self, bound: float) -> OuterRows:
+        """These rows clipped to exact norm <= ``bound`` (finite, >= 0), in factored form: the clip factor
+        min(1, bound / N_i) of ``norm_upper_bound`` (in g's dtype, as ``clip_scales`` gives it) joins the factor;
+        a row whose bound is not finite gets factor 0 and its g and h rows are zeroed (0 * NaN would be NaN)."""
+        norms = self.norm_upper_bound()
+        finite = torch.isfinite(norms)
+        scale = _clip_factors(norms, bound).to(self.g.dtype)
+        g, h = self.g, self.h
+        if not bool(finite.all()):
+            g = torch.where(finite.unsqueeze(1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+            h = torch.where(finite.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        factor = scale if self.factor is None else scale * torch.where(finite, self.factor, 0.0)
+        return OuterRows(g, h, self.bias, factor)
+
+    def h64(self) -> torch.Tensor:
+        """h (B, n) in float64 (exact), converted once: the norm and the sum both read it."""
+        if self._h64 is None:
+            self._h64 = self.h.to(torch.float64)
+        return self._h64
+
+    def norm_upper_bound(self) -> torch.Tensor:
+        """Upper bound (B,) float64 on the exact L2 norm of each row: |factor_i| ||g_i|| sqrt(||h_i||^2 + 1[bias]),
+        from upper bounds on ||g_i|| and ||h_i|| (``norm_upper_bound``: blocked sums of squares in their dtype,
+        with its margin), times 1 + (n / NORM_BLOCK + K / NORM_BLOCK + 16) eps64 for the float64 sums over blocks,
+        the product and the root (Higham 2002, sec. 4.2); ``norm_upper_bound``'s margin covers the rounding of the
+        clip factor and of the scaled entries, as for a dense row."""
+        eps = torch.finfo(torch.float64).eps
+        slack = 1.0 + (self.h.shape[1] // NORM_BLOCK + self.g.shape[1] // NORM_BLOCK + 16) * eps
+        nh = norm_upper_bound(self.h)
+        norms = norm_upper_bound(self.g) * (nh * nh + (1.0 if self.bias else 0.0)).sqrt() * slack
+        return norms if self.factor is None else norms * self.factor.to(torch.float64).abs()
+
+
+def combine_outer(terms: list[OuterRows], coefs) -> OuterRows | None:
+    """sum_j coefs[j] terms[j] as one ``OuterRows`` when every term has the same input h (a linear layer on
+    inputs that no trainable parameter changes), i.e. g = sum_j coefs[j] factor_j g_j; None otherwise."""
+    first = terms[0]
+    if any(t.bias != first.bias or not torch.equal(t.h, first.h) for t in terms[1:]):
+        return None
+    g = None
+    for t, c in zip(terms, coefs, strict=True):
+        part = t.g * (float(c) if t.factor is None else float(c) * t.factor.unsqueeze(1))
+        g = part if g is None else g + part
+    return OuterRows(g, first.h, first.bias)
+
+
+def _ghost_layer(module: nn.Module, names: list[str]) -> nn.Linear:
+    """The one ``nn.Linear`` layer whose weight (and bias) are all of ``module``'s trainable parameters
+    ``names``, for the 'ghost' engine; ValueError naming the trainable parameters otherwise."""
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
+            own = [f"{prefix}.{n}" if prefix else n for n, p in layer.named_parameters() if p.requires_grad]
+            if own == names:
+                return layer
+    raise ValueError(f"per-record engine 'ghost' needs the trainable parameters to be one nn.Linear layer's weight "
+                     f"(and bias); this model trains {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}: use "
+                     "per-record-engine 'torch.func', or config key trainable = the linear layer")
 
 
 def _block_squares(v: torch.Tensor) -> torch.Tensor:
@@ -315,6 +464,8 @@ def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, 
     bound (1 + 2 B gamma_B) apart: a public bound, unlike a float32 sum's, whose rounding error (gamma_B in
     u = 2^-24) would be ~5e8 times larger (``release.sum_rounding_factor`` inflates the noise for the float64
     bound; ``release.reply_tolerance`` checks the norm)."""
+    if isinstance(v, OuterRows):
+        return _clipped_outer_sum_and_count(v, bound)
     if isinstance(v, RowBlocks):
         return _clipped_blocks_sum_and_count(v, bound)
     if math.isinf(bound):
@@ -339,3 +490,32 @@ def _clipped_blocks_sum_and_count(v: RowBlocks, bound: float) -> tuple[torch.Ten
     scale = _clip_factors(norms, bound)
     coef = scale if v.factor is None else scale * v.factor.to(torch.float64)
     return torch.cat([sum64(coef, b) for b in v.blocks]), int((scale < 1.0).sum())
+
+
+def _clipped_outer_sum_and_count(v: OuterRows, bound: float) -> tuple[torch.Tensor, int]:
+    """``clipped_sum_and_count`` of ``v.dense()`` without forming it: per-row float64 coefficients
+    coef_i = factor_i c_i (c_i the clip factor of ``OuterRows.norm_upper_bound``), G = coef * g in float64, and the
+    sum [vec(G^T h), sum_i G_i] as float64 products. The contributed row fl(coef_i g_i) h_i^T has exact norm
+    <= bound (the bound's margin covers the rounding of G), and each entry of the sum has one rounding per product
+    and B - 1 additions: within gamma_B B bound of the exact sum, as ``sum64``. Rows whose bound is not finite
+    (NaN or Inf in g, h or the factor) contribute zero."""
+    g, h = v.g.to(torch.float64), v.h64()
+    if math.isinf(bound):
+        coef = torch.ones(g.shape[0], dtype=torch.float64, device=g.device)
+        if v.factor is not None:
+            coef = v.factor.to(torch.float64)
+        n_clipped = 0
+    else:
+        norms = v.norm_upper_bound()
+        finite = torch.isfinite(norms)
+        scale = _clip_factors(norms, bound)
+        if not bool(finite.all()):  # 0 * NaN is NaN: zero the rows first
+            g = torch.where(finite.unsqueeze(1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+            h = torch.where(finite.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        coef = scale if v.factor is None else scale * torch.where(finite, v.factor.to(torch.float64), 0.0)
+        n_clipped = int((scale < 1.0).sum())
+    weighted = g * coef.unsqueeze(1)
+    parts = [(weighted.t() @ h).reshape(-1)]
+    if v.bias:
+        parts.append(weighted.sum(0))
+    return torch.cat(parts), n_clipped

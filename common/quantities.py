@@ -112,8 +112,8 @@ def dual_eta(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
 def dual_x(model, flat, eta, x, y, problem, extra=()) -> RowBlocks:
     """grad_x L(x, eta; xi) = w grad_x l(x; xi) per record, shape (B, d), w = ``record_weights`` (psi*'(s) when
     the problem neither clamps nor caps)."""
-    losses, blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)
-    return RowBlocks(blocks, record_weights(losses.detach(), eta, problem))
+    losses, rows = model.losses_and_grad_rows(flat, x, y, problem.offset)
+    return rows.weighted(record_weights(losses.detach(), eta, problem))
 
 
 def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bound: float,
@@ -156,7 +156,7 @@ def dual_joint(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
 def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> RowBlocks:
     """grad_x l(x; xi) of the cross-entropy (ERM, dp-sgd; logit-adjusted when the query carries an offset),
     shape (B, d). ``scalar`` is unused."""
-    return RowBlocks(model.losses_and_grad_blocks(flat, x, y, problem.offset)[1])
+    return model.losses_and_grad_rows(flat, x, y, problem.offset)[1]
 
 
 def uses_groups(fn: QuantityFn) -> QuantityFn:
@@ -174,8 +174,8 @@ def class_weighted_grad(model, flat, scalar, x, y, problem, extra=(), groups=Non
     """extra[g] * grad_x l(x; xi): per-group weights (K,) given by the query (dp-sgda's descent), g the record's
     class or declared group (as ``class_loss_stats``), (B, d)."""
     weights = torch.as_tensor(list(extra), dtype=flat.dtype, device=flat.device)
-    blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)[1]
-    return RowBlocks(blocks, weights[y if groups is None else groups])
+    rows = model.losses_and_grad_rows(flat, x, y, problem.offset)[1]
+    return rows.weighted(weights[y if groups is None else groups])
 
 
 @register_quantity("class-onehot")
@@ -239,10 +239,10 @@ def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None
     (dro-clip=product: the client's clip of the whole row then applies, as for clip_C(w grad l))."""
     grad_clip, k, j = float(extra[0]), int(extra[1]), int(round(index))
     w = torch.as_tensor(list(extra[2 + j * k:2 + (j + 1) * k]), dtype=flat.dtype, device=flat.device)
-    blocks = model.losses_and_grad_blocks(flat, x, y, problem.offset)[1]
+    rows = model.losses_and_grad_rows(flat, x, y, problem.offset)[1]
     if math.isfinite(grad_clip):
-        blocks = [clip_rows(torch.cat(blocks, dim=1), grad_clip)]
-    return RowBlocks(blocks, w[y if groups is None else groups])
+        rows = rows.clipped(grad_clip)
+    return rows.weighted(w[y if groups is None else groups])
 
 
 def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:

@@ -4,7 +4,8 @@
    kymatio's Scattering2D(J=2), the key's hash and the cache write; a cache hit is reported as such);
 2. one training iteration: a client's clipped sum of per-record cross-entropy gradients over a Poisson sample of
    ``--batch`` expected records (``worker.clipped_total``, dp-sgd's refresh), on the features with scatter-linear
-   and scatter-cnn and on the images with cnn32, the median of ``--repeats`` timings, and the ratios to cnn32.
+   (per-record-engine torch.func, and ghost: ``per_sample.OuterRows``) and scatter-cnn and on the images with
+   cnn32, the median of ``--repeats`` timings, and the ratios to cnn32.
 
     DPDRO_DATA_ROOT=... .venv/bin/python simulations/bench_features.py [--dataset cifar10-st] [--threads 2]
 
@@ -62,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     problem = Problem.from_config(cfg).with_offset((), torch.float32, torch.device("cpu"))
     timings = {}
-    for model_name, x in (("cnn32", images.x), ("scatter-linear", features), ("scatter-cnn", features)):
-        model = FlatModel(make_model(model_name, images.num_classes, 0, input_shape=tuple(x.shape[1:])))
+    runs_of = (("cnn32", "torch.func", images.x), ("scatter-linear", "torch.func", features),
+               ("scatter-linear", "ghost", features), ("scatter-cnn", "torch.func", features))
+    for model_name, engine, x in runs_of:
+        model = FlatModel(make_model(model_name, images.num_classes, 0, input_shape=tuple(x.shape[1:])), engine)
+        label = model_name if engine == "torch.func" else f"{model_name} (engine {engine})"
         flat = model.initial()
         runs = []
         for _ in range(args.repeats):
@@ -72,11 +76,12 @@ def main(argv: list[str] | None = None) -> None:
             clipped_total(model, QUANTITIES["ce-grad"], [flat], [0.0], [1.0], x, images.y, rows, 1.0, model.dim,
                           problem)
             runs.append(time.perf_counter() - start)
-        timings[model_name] = statistics.median(runs)
-        print(f"one iteration, {model_name} ({model.dim:,} parameters): {timings[model_name]:.3f} s (median of "
+        timings[label] = statistics.median(runs)
+        print(f"one iteration, {label} ({model.dim:,} parameters): {timings[label]:.3f} s (median of "
               f"{args.repeats}, about {args.batch} records)")
-    for model_name in ("scatter-linear", "scatter-cnn"):
-        print(f"ratio {model_name} / cnn32: {timings[model_name] / timings['cnn32']:.2f}")
+    for label in timings:
+        if label != "cnn32":
+            print(f"ratio {label} / cnn32: {timings[label] / timings['cnn32']:.2f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -79,6 +79,18 @@ def test_compose_publishes_only_the_fleet_gateway():
     assert data == ["${DATA_SITE1:-./data/site-1}:/data:ro", "${DATA_SITE2:-./data/site-2}:/data:ro"]
 
 
+def test_image_installs_the_features_extra():
+    """Static: the image installs dpdro with the 'features' extra, and that extra holds kymatio at the version the
+    scattering front-end expects, so features=scatternet runs on every node of a containerised deployment."""
+    from dpdro.common.scattering import EXTRA, KYMATIO_VERSION
+
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    installs = [line for line in lines if "pip install" in line and " -e " in line]
+    assert len(installs) == 1 and installs[0].rstrip(" ;\\").endswith(f'-e ".[{EXTRA}]"'), installs
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"kymatio=={KYMATIO_VERSION}" in extras[EXTRA]
+
+
 @pytest.mark.container
 def test_containerised_round_runs_main_config(tmp_path):
     """Build, bring up, run main.toml (2 clients, 2 iterations, 4,000 records) and check the run directory: the

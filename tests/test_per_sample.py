@@ -278,5 +278,5 @@ def test_opacus_engine_equals_torch_func(name, shape, dtype, tol):
         torch.testing.assert_close(lb, la, rtol=tol, atol=tol)
         torch.testing.assert_close(gb, ga, rtol=tol, atol=tol)
         assert float(ga.abs().max()) > 1e-3  # not trivially zero
-    with pytest.raises(ValueError, match="per-record engine 'jax'; allowed: 'torch.func', 'opacus'"):
+    with pytest.raises(ValueError, match="per-record engine 'jax'; allowed: 'torch.func', 'opacus', 'ghost'"):
         FlatModel(module, "jax")

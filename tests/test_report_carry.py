@@ -228,6 +228,20 @@ def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configur
     assert len(cells) > 100 and carried == cells, sorted(cells - carried)[:5]
 
 
+def test_every_data_set_with_tuned_files_has_published_rows():
+    """A data set whose tuned files are checked in has rows in docs/research/results.csv at the epsilon it was
+    tuned at (made by the sweep: source 'run' or 'carried', never another), so no data set drops out of the
+    tables silently when a report does not carry its rows."""
+    from dpdro.simulations.tuned import TUNED_CONFIGS
+
+    tuned = {p.name.split("-eps")[0] for p in TUNED_CONFIGS.glob("*-eps4-*.toml")}
+    with open(Path(__file__).resolve().parent.parent / "docs" / "research" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    published = {r["dataset"] for r in rows if float(r["epsilon_target"]) == 4.0}
+    assert {"mnist-st", "cifar10-st"} <= tuned and tuned <= published, sorted(tuned - published)
+    assert {r["source"] for r in rows} <= {"run", "carried"}
+
+
 # A value other than the old behaviour for each key added later without a list of choices.
 OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head"}
 # Keys whose other value needs another key changed with it (features=scatternet needs a scatter model).

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dpdro.common.algorithm_specs import FloatRange
 from dpdro.common.config import Config, ConfigError
 from dpdro.server.objective import choose_by_objective, objective_terms, pack_terms, validation_objective
 from dpdro.simulations import tune
@@ -417,3 +418,19 @@ def test_warm_start_refuses_a_shipped_point_outside_the_space_before_any_run(tmp
     with pytest.raises(ConfigError, match=r"posthoc-tau = 0.33 lies outside"):  # off the 0.05 grid
         tune.run_tune(DS, EPS, ["dp-sgd"], 2, tmp_path / "runs", configs, jobs=1, warm_start=True)
     assert fake.calls == []
+
+
+def test_a_data_set_may_replace_a_methods_range():
+    """cifar10-st trains a linear head on scattering features: its step range replaces every method's own (the
+    CNNs' steps diverge there), the other data sets keep the methods' ranges, and its trials train scatter-linear
+    with the ghost engine."""
+    for method in tune.SPACES:
+        assert tune.space(method, "cifar10-st")["lr-x"] == FloatRange(0.05, 2.0, log=True)
+        assert tune.space(method, "mnist-st") == tune.SPACES[method]
+        rest = {k: v for k, v in tune.space(method, "cifar10-st").items() if k != "lr-x"}
+        assert rest == {k: v for k, v in tune.SPACES[method].items() if k != "lr-x"}
+    point = {"lr-x": 0.3, "refresh-batch": 1024, "posthoc-tau": 0.5, "warmup-iterations": 0,
+             "logit-adjust-tau": 1.0}
+    cfg = tune.trial_config("cifar10-st", EPS, "dp-sgd-la", point, Path("unused"))
+    assert (cfg.features, cfg.model, cfg.per_record_engine, cfg.lr_x) == ("scatternet", "scatter-linear", "ghost", 0.3)
+    assert tune.final_keys(cfg)["per-record-engine"] == "ghost"

@@ -307,13 +307,28 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
+# The names other DP libraries give (Opacus, TensorFlow Privacy; kebab-cased) -> dpdro's keys, suggested first.
+OTHER_LIBRARIES_NAMES: dict[str, str] = {
+    "batch-size": "'refresh-batch' (and 'diff-batch' for a difference release)",
+    "sample-rate": "'refresh-batch' (the expected batch; the sampling rate is batch / n)",
+    "max-grad-norm": "'clip-x'", "l2-norm-clip": "'clip-x'",
+    "noise-multiplier": "'epsilon' (the noise multiplier is calibrated from epsilon and delta)",
+    "lr": "'lr-x'", "learning-rate": "'lr-x'", "epochs": "'iterations'", "target-epsilon": "'epsilon'",
+    "target-delta": "'delta'",
+}
+
+
 def unknown_keys_message(unknown: list[str]) -> str:
-    """'unknown config key ...' with the nearest known key for each (difflib), instead of every key on one line."""
+    """'unknown config key ...' with the nearest known key for each: another DP library's name for it
+    (OTHER_LIBRARIES_NAMES), else difflib's nearest; instead of every key on one line."""
     known = field_by_key()
     parts = []
     for key in unknown:
+        alias = difflib.get_close_matches(key.lower().replace("_", "-"), OTHER_LIBRARIES_NAMES, n=1, cutoff=0.85)
+        other = OTHER_LIBRARIES_NAMES[alias[0]] if alias else None
         near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        parts.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        hint = f" (dpdro's name: {other})" if other else (f" (did you mean '{near[0]}'?)" if near else "")
+        parts.append(f"'{key}'{hint}")
     return (f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; `dpdro keys` lists every key "
             "with its default and allowed values")
 

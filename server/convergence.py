@@ -49,6 +49,8 @@ def rising_note(rows: list[dict], iterations: int) -> str | None:
     if not still_rising(rows, iterations):
         return None
     what = worst_key(rows).replace("_accuracy", "").replace("_", "-")
-    return (f"the {what} accuracy was still rising at the last evaluation (+{worst_slope(rows, iterations):.3f} per "
-            f"{max(iterations // 10, 1)} iterations over the last {RISING_WINDOW} evaluations): more iterations "
-            "would likely raise it (key iterations; the noise is calibrated for the new number, so start a new run)")
+    first, last = int(rows[-RISING_WINDOW]["iteration"]), int(rows[-1]["iteration"])
+    return (f"the {what} accuracy was still rising at the end: a straight line through the evaluations at "
+            f"iterations {first}-{last} gains {worst_slope(rows, iterations):+.3f} per 10% of the run "
+            f"({max(iterations // 10, 1)} of its {iterations} iterations); more iterations would likely raise it "
+            "(key iterations; the noise is calibrated for the new number, so start a new run)")

@@ -204,10 +204,7 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
     else:
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         write_json(rd.config, {**cfg.to_dict(), **facts})
-        setup = setup_releases.initial(cfg, test.num_classes)
-        for stage in setup_releases.stages(cfg, test.num_classes, test.num_groups):
-            releaser.offset = setup.offset(cfg.tau)
-            setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
+        setup = setup_releases.release_all(releaser, cfg, x0, n, test.num_classes, test.num_groups)
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
     shift = prediction_shift(cfg.training, setup)
@@ -307,7 +304,7 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
         raise ResumeError(f"no checkpoint at {rd.checkpoint}: nothing to resume")
     arrays, meta = rd.load_checkpoint()
     try:
-        saved = Config.from_mapping(meta["config"]).to_dict()
+        saved = Config.from_mapping(meta["config"], warn=False).to_dict()
     except (KeyError, TypeError, ConfigError) as e:
         raise RunFileError(f"checkpoint {rd.checkpoint} holds no valid configuration ({e}): it cannot be resumed; "
                            "start again with --overwrite (or in a new out-dir)") from None
@@ -375,7 +372,7 @@ def load_run_config(out_dir: str) -> Config:
     if keys.get("epsilon") == "inf":
         keys["epsilon"] = math.inf
     try:
-        return Config.from_mapping(keys).with_updates({"overwrite": False})
+        return Config.from_mapping(keys, warn=False).with_updates({"overwrite": False})  # saved: warned at start
     except ConfigError as e:
         raise RunFileError(f"{path}: {e}; restore the file, or start the run again in a new out-dir") from None
 

@@ -36,13 +36,14 @@ from torch import nn
 
 from ..common import image_folder, tabular_data
 from ..common.atomic import atomic_write_bytes
-from ..common.config import Config, ConfigError, keys_with_role
+from ..common.config import AUTO, Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
 from ..common.scattering import compute_features
 from .engine import load_run_config
 from .evaluate import per_class_accuracy, per_group_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
 from .run_report import confusion_matrix, plot_confusion
+from .rundir import RunDir, read_json
 
 SPLITS = {"test": "test", "train": "train", "validation": "val"}
 # The splits made of the run's private training records ('validation' is held out of them, or, for a data set with
@@ -108,6 +109,14 @@ def _run_config(run_dir: str | Path, overrides: dict | None) -> Config:
             raise ConfigError(f"--set {key}: only data keys may change for prediction; allowed: "
                               f"{', '.join(sorted(data_keys))}")
     cfg = load_run_config(str(run_dir))
+    root = str(cfg.data_root)
+    if "data-root" not in overrides and root and root != AUTO and not Path(root).is_absolute() \
+            and not Path(root).exists():
+        # a relative data-root was resolved from the folder the run was started in; from anywhere else (the
+        # model card's commands run from the run folder) use the folder the run recorded as read (absolute)
+        read = read_json(RunDir(str(run_dir)).config).get("data_read", "")
+        if read and Path(read).is_dir():
+            overrides["data-root"] = read
     return cfg.with_updates(overrides) if overrides else cfg
 
 

@@ -343,10 +343,11 @@ def use_section(dataset: str, model: dict) -> list[str]:
     lines = []
     if ":" in dataset:
         lines += [f"The data come from `{dataset}`: its module must be importable (PYTHONPATH) for these.", ""]
-    return lines + ["Run these from this folder (the one that holds this card):", "", "```",
+    return lines + ["Run these from this folder (the one that holds this card), with dpdro on your PATH (in a clone "
+                    "set up by `make`: `source <clone>/.venv/bin/activate`):", "", "```",
                     f"dpdro predict --run {run_dir} --data test      # predictions_test.csv",
                     f"dpdro evaluate --run {run_dir} --data test     # accuracy, worst class, confusion matrix",
-                    f"dpdro predict --run {run_dir} --data PATH      # new records (README: using the trained model)",
+                    f"dpdro predict --run {run_dir} --data PATH      # new records (docs/how-to/use-the-model.md)",
                     "```", "", "```python", "import dpdro", *load, "```", ""]
 
 

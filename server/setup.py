@@ -141,3 +141,14 @@ def absorb(result: SetupResult, released: dict[str, np.ndarray], n: int, cfg) ->
         mean_loss = float(released[ETA_INIT][0])
         result = replace(result, eta0=mean_loss / cfg.eta_scale)
     return result
+
+
+def release_all(releaser, cfg, x0: np.ndarray, n: int, num_classes: int, num_groups: int = 0) -> SetupResult:
+    """Run every setup stage through ``releaser`` (server/releaser.py's Releaser: its ``offset`` and ``run``) at
+    the initial parameters x0 (d,) float64, each stage with the prediction offset of the result so far, and fold
+    the released means into one SetupResult (n: training records, public). Each stage is a charged release."""
+    setup = initial(cfg, num_classes)
+    for stage in stages(cfg, num_classes, num_groups):
+        releaser.offset = setup.offset(cfg.tau)
+        setup = absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
+    return setup

@@ -202,10 +202,7 @@ def record_trajectory(cfg: Config, train: ArrayDataset, iterations: int) -> Traj
     with tempfile.TemporaryDirectory(prefix="dpdro-estimator-") as tmp:
         rd = RunDir(tmp)
         releaser = Releaser(cfg, transport, Ledger(plan, noise, cfg.epsilon, delta, cfg.accountant), n, rd)
-        setup = setup_releases.initial(cfg, train.num_classes)
-        for stage in setup_releases.stages(cfg, train.num_classes, train.num_groups):
-            releaser.offset = setup.offset(cfg.tau)
-            setup = setup_releases.absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
+        setup = setup_releases.release_all(releaser, cfg, x0, n, train.num_classes, train.num_groups)
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
         releaser.offset = setup.offset(cfg.tau)
         while state.t < iterations:

@@ -4,6 +4,7 @@ raises ConfigError), and agreement of pyproject.toml's Flower run config with th
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -337,3 +338,17 @@ def test_an_old_run_directory_config_still_loads(tmp_path):
     saved = {**old, "inject-fault": "", "delta_resolved": 1e-5, "n": 10_000, "transport": "local", "versions": {}}
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(str(tmp_path)) == Config.from_mapping({"q": 3, "overwrite": False})
+
+
+def test_unknown_key_names_other_libraries_terms_and_typos_of_them():
+    """Opacus' and TF Privacy's names (batch_size, max_grad_norm, noise_multiplier), also misspelt, point to
+    dpdro's keys; other unknown keys get difflib's nearest key."""
+    from dpdro.common.config import OTHER_LIBRARIES_NAMES, unknown_keys_message
+
+    message = unknown_keys_message(["batch_size", "bacth-size", "max_grad_norm", "lr-xx"])
+    assert message.count("dpdro's name: 'refresh-batch'") == 2
+    assert "'max_grad_norm' (dpdro's name: 'clip-x')" in message
+    assert "'lr-xx' (did you mean 'lr-x'?)" in message
+    known = set(FIELD_BY_KEY)
+    for hint in OTHER_LIBRARIES_NAMES.values():  # every suggested name is a real key
+        assert set(re.findall(r"'([a-z0-9-]+)'", hint)) <= known, hint

@@ -156,3 +156,20 @@ def test_malformed_image_input_for_prediction_is_refused_naming_the_folder(image
     assert main(["predict", "--run", str(run), "--data", str(tmp_path / "flat")]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_the_cards_commands_work_from_the_run_folder_with_a_relative_data_root(tmp_path, monkeypatch, capsys):
+    """A run started with a relative data-root (data-root=data, as the own-data guide does) and evaluated from
+    inside its run folder, as its model card says: the relative root is read from config.json's data_read (the
+    folder the run read, absolute), not from the current folder."""
+    write_csv(tmp_path / "data" / "train.csv", easy_rows(300, 1), HEADER)
+    write_csv(tmp_path / "data" / "test.csv", easy_rows(100, 2), HEADER)
+    monkeypatch.chdir(tmp_path)
+    keys = {**RUN, **CSV_KEYS, "iterations": 4, "eval-every": 4, "data-root": "data", "out-dir": "run"}
+    assert main(["train", "--set"] + [f"{k}={v}" for k, v in keys.items()]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data_read"] == str(tmp_path / "data")
+    monkeypatch.chdir(tmp_path / "run")
+    capsys.readouterr()
+    assert main(["evaluate", "--run", ".", "--data", "test"]) == 0
+    assert f"100 records, accuracy {summary['test_accuracy']:.4f}" in capsys.readouterr().out

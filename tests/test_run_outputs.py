@@ -182,6 +182,7 @@ def test_still_rising_follows_the_slope_of_the_last_evaluations():
     rising = [{"iteration": t, "worst_class_accuracy": w} for t, w in ((0, 0.0), (50, 0.2), (100, 0.4), (150, 0.6))]
     assert worst_slope(rising, 200) == pytest.approx(0.08)  # +0.4 per 100 iterations = +0.08 per tenth of 200
     assert still_rising(rising, 200) and "more iterations" in rising_note(rising, 200)
+    assert "iterations 50-150 gains +0.080 per 10% of the run (20 of its 200 iterations)" in rising_note(rising, 200)
     flat = [{"iteration": t, "worst_class_accuracy": w} for t, w in ((0, 0.0), (50, 0.58), (100, 0.59), (150, 0.6))]
     assert worst_slope(flat, 200) == pytest.approx(0.004) and not still_rising(flat, 200)
     falling_last = rising[:3] + [{"iteration": 150, "worst_class_accuracy": 0.39}]

@@ -68,7 +68,7 @@ def _config(context: Context) -> Config:
     """The run config with this node's own data-root and cache-dir. PartitionError when the node's declared
     ``dataset`` is not the run's, or when the run is node-local and the node config names no data-root (the node
     would otherwise read the server's path)."""
-    cfg = Config.from_mapping(dict(context.run_config), ignore_unknown=True)
+    cfg = Config.from_mapping(dict(context.run_config), ignore_unknown=True, warn=False)
     node = context.node_config
     if "dataset" in node and str(node["dataset"]) != cfg.dataset:
         raise PartitionError(f"node config dataset={node['dataset']!r}, but the run trains on dataset="

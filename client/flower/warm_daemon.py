@@ -38,7 +38,7 @@ def handle(request: dict):
     from .app import _worker
 
     os.environ.pop(faults.ENV, None)  # this request's fault, if any, and no earlier one
-    cfg = Config.from_mapping(faults.adopt(request["config"]))
+    cfg = Config.from_mapping(faults.adopt(request["config"]), warn=False)
     worker = _worker(cfg, int(request["partition"]))
     if request["op"] == "records":
         return worker.num_records

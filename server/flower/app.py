@@ -35,7 +35,7 @@ def main(grid: Grid, context: Context) -> None:
     ours.setLevel(logging.INFO)
     ours.propagate = False
     logging.getLogger("absl").setLevel(logging.ERROR)
-    cfg = Config.from_mapping(dict(context.run_config))
+    cfg = Config.from_mapping(dict(context.run_config), warn=False)  # warned by the launcher
     check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before loading any data
     test = load_from_config(cfg, train=False)
     transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,

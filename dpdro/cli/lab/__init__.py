@@ -21,7 +21,7 @@ def add_group(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPa
     the help: no ``help=``; its ``deprecated`` default makes main() print the deprecation line)."""
     lab = sub.add_parser("lab", help="experiment tools: sweep, report, tune, audit, hazards, noise-modes, "
                                      "equivalence, bench, estimator (research; output under runs/ unless --write-docs)",
-                         description=__doc__.split("\n\n")[0], parents=parents)
+                         description=__doc__.split("\n\n")[0].replace("``", ""), parents=parents)
     tools = lab.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for mod in TOOLS:
         s = tools.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=parents)

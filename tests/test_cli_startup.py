@@ -313,3 +313,14 @@ def test_no_lab_tool_writes_into_docs_by_default():
         assert docs_dir(args) == Path(args.root) and args.root.startswith("runs/"), tool.NAME
         assert docs_dir(parser.parse_args(["lab", tool.NAME, "--write-docs"])) == CHECKOUT / "docs" / "research"
         assert docs_dir(parser.parse_args(["lab", tool.NAME, "--docs", "elsewhere"])) == Path("elsewhere")
+
+
+def test_the_console_script_prints_a_warning_as_one_dpdro_line():
+    """A key the chosen algorithm ignores is one 'dpdro: warning:' line on stderr, not Python's
+    'file.py:61: IgnoredKeyWarning' form."""
+    dpdro = os.path.join(os.path.dirname(sys.executable), "dpdro")
+    out = subprocess.run([str(dpdro), "plan", "--set", "algorithm=dp-sgd", "q=3", "dataset=mnist-st"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "dpdro: warning: config key 'q' = 3 is ignored: algorithm 'dp-sgd' does not read it" in out.stderr
+    assert "IgnoredKeyWarning" not in out.stderr

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from dpdro.common.errors import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, DpdroError
 
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``dpdro ARGV``; returns the exit status (common/errors.py's table)."""
     shared.mark_started()
+    if argv is None:  # the console script: a warning is one 'dpdro: warning:' line, not Python's file:line form
+        warnings.showwarning = _show_warning
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     args = build_parser().parse_args(argv)
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         lab.warn_deprecated(args.deprecated)
     code = _run_command(args)
     return _leave_process(code) if argv is None else code
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dpdro: warning: {message}", file=file or sys.stderr)
 
 
 def _run_command(args: argparse.Namespace) -> int:

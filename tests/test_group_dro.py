@@ -19,7 +19,7 @@ from dpdro.client.local_transport import LocalTransport
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset
 from dpdro.common.models import make_model
-from dpdro.common.per_sample import FlatModel, clip_rows
+from dpdro.common.per_sample import FlatModel, RowBlocks, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem
 from dpdro.server.algorithms import make_algorithm
@@ -256,6 +256,10 @@ class Rows:
     def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
         losses, grads = self.losses_and_grads(flat, x, y, offset)
         return losses, [grads[:, :1], grads[:, 1:]]
+
+    def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
+        losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+        return losses, RowBlocks(blocks)
 
 
 def test_group_quantities_rows():

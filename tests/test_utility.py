@@ -22,7 +22,7 @@ from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset, validation_split
 from dpdro.common.messages import Point, Query, Reply
 from dpdro.common.models import make_model
-from dpdro.common.per_sample import FlatModel, clip_rows
+from dpdro.common.per_sample import FlatModel, RowBlocks, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem, dro_weight_bound, dual_x_weight_after_clip
 from dpdro.common.transport import RoundResult
@@ -232,6 +232,10 @@ def test_weight_after_clip_never_exceeds_its_declared_sensitivity(losses, scale,
             losses, grads = self.losses_and_grads(flat, x, y, offset)
             return losses, [grads[:, :1], grads[:, 1:]]
 
+        def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
+            losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+            return losses, RowBlocks(blocks)
+
     problem = Problem(make_psi(psi, 0.3), lam, 1.0, loss_bound=4.0, clamp_weights=True)
     v = dual_x_weight_after_clip(FakeModel(), None, eta, None, None, problem, (clip,))
     bound = clip * dro_weight_bound(problem.psi, eta, lam, 1.0, 4.0)
@@ -249,6 +253,10 @@ def test_weight_after_clip_keeps_weights_that_the_product_clip_erases():
         def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
             losses, grads = self.losses_and_grads(flat, x, y, offset)
             return losses, [grads[:, :1], grads[:, 1:]]
+
+        def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
+            losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+            return losses, RowBlocks(blocks)
 
     problem = Problem(make_psi("chi2", 0.1), 1.0, 1.0, loss_bound=4.0, clamp_weights=True)
     wac = torch.linalg.vector_norm(dual_x_weight_after_clip(FakeModel(), None, 0.0, None, None, problem, (1.0,)),

@@ -267,7 +267,13 @@ class LoopbackDeployment:
                 raise DeploymentError(f"{proc.name} did not answer on {url} within {self.startup_timeout:g} s; "
                                       f"log {proc.log}:\n{tail(proc.log)}")
             time.sleep(0.2)
-        if not listener_pids(port, [proc.popen.pid, *descendants(proc.popen.pid)]):
+        # the listening socket may belong to a child that the first look at /proc misses (started, or its fd
+        # table read, a moment later): look again for a few seconds before calling it a foreign process
+        settle = time.monotonic() + 5.0
+        while not listener_pids(port, [proc.popen.pid, *descendants(proc.popen.pid)]):
+            if time.monotonic() < settle:
+                time.sleep(0.2)
+                continue
             raise DeploymentError(f"port {port} on {HOST} answers, but not from the {proc.name} started here "
                                   f"(PID {proc.popen.pid}); another process holds it. Choose other ports.")
 

@@ -1,9 +1,9 @@
 """One configuration schema for every entry point (CLI, Flower run config, checkpoints).
 
-Keys are kebab-case and identical everywhere (ARCHITECTURE.md section 7): TOML files, ``--set``, Flower's run config,
-config.json. Each key is declared once, as a ``Field`` with its type, default, allowed values or range, help text and
-section: the keys every run reads in ``CORE_FIELDS`` here, the keys only some algorithms read in their
-``AlgorithmSpec.params`` (common/algorithm_specs.py, or a plug-in's own file). ``FIELDS`` is all of them.
+Keys are kebab-case and identical everywhere (docs/explanation/ARCHITECTURE.md section 7): TOML files, ``--set``,
+Flower's run config, config.json. Each key is declared once, as a ``Field`` with its type, default, allowed values or
+range, help text and section: the keys every run reads in ``CORE_FIELDS`` here, the keys only some algorithms read in
+their ``AlgorithmSpec.params`` (common/algorithm_specs.py, or a plug-in's own file). ``FIELDS`` is all of them.
 
 ``Config.from_mapping`` validates a whole mapping before any work starts and raises one ``ConfigError`` naming every
 invalid key, its value and what is allowed; a key set to a non-default value that the chosen algorithm does not read

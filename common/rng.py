@@ -1,4 +1,4 @@
-"""Random number generators for every draw site (ARCHITECTURE.md section 4).
+"""Random number generators for every draw site (docs/explanation/ARCHITECTURE.md section 4).
 
 Reproducible mode: a draw site's generator derives from (seed, *keys) through numpy's SeedSequence, keys
 being the iteration, the mechanism and the partition id (never a Flower node id), so results do not

@@ -1,6 +1,6 @@
 """Certificates and keys for a Flower deployment, made with ``cryptography`` (no openssl).
 
-What it writes into one folder (FLOWER.md 3.5, 3.6):
+What it writes into one folder (docs/explanation/FLOWER.md 3.5, 3.6):
 
     ca.crt, ca.key               a self-signed EC P-384 certificate authority (BasicConstraints ca=True)
     server.pem, server.key       the SuperLink's TLS certificate, signed by the CA, with subject alternative

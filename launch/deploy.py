@@ -2,8 +2,8 @@
 authentication, the SuperNodes reaching it through the Fleet-only gateway, a run submitted with
 ``flwr run <app> <connection>`` and waited on with ``flwr ls``.
 
-This is the deployment of a real federation (FLOWER.md 3.5, 3.6) with every process on one host, so it can
-run in CI. What it does, in order:
+This is the deployment of a real federation (docs/explanation/FLOWER.md 3.5, 3.6) with every process on one host,
+so it can run in CI. What it does, in order:
 
 1. certificates in ``<work>/certs`` (``launch/certs.py``: CA, SuperLink certificate with SANs localhost and
    127.0.0.1, one P-384 authentication key pair per node), reused when they already exist;
@@ -19,13 +19,15 @@ run in CI. What it does, in order:
 5. ``flower-supernode --root-certificates ca.crt --superlink 127.0.0.1:F --auth-supernode-private-key <node>
    --node-config "partition-id=i num-partitions=N ..." --port Q_i``, FLWR_HOME ``<work>/node-i``;
 6. ``flwr run <app> <connection> --format json --run-config ...``, then ``flwr ls <connection> --run-id ID``
-   until the status is ``finished:*`` (``flwr run`` exits 0 even when the ServerApp fails: FLOWER.md 3.3);
+   until the status is ``finished:*`` (``flwr run`` exits 0 even when the ServerApp fails:
+   docs/explanation/FLOWER.md 3.3);
 7. every process this module started is stopped by its PID (its process group, then its remaining
    descendants by PID), always, also after a failure, Ctrl-C or SIGTERM (``deploy_config`` turns SIGTERM
    into an exception so the cleanup runs: ``launch.processes``).
 
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` is set for every process, so no ``uv sync`` runs and
-the apps run in this Python environment (FLOWER.md pitfall 14). Logs of every process are in ``<work>/logs``.
+the apps run in this Python environment (docs/explanation/FLOWER.md pitfall 14). Logs of every process are in
+``<work>/logs``.
 """
 
 from __future__ import annotations

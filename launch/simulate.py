@@ -1,6 +1,6 @@
 """Run a configuration on Flower's simulation engine through the real ``flwr run`` and wait for it.
 
-Handles Flower 1.42's pitfalls (FLOWER.md 3.1-3.3, 7): ``flwr run`` exits 0 even when the ServerApp
+Handles Flower 1.42's pitfalls (docs/explanation/FLOWER.md 3.1-3.3, 7): ``flwr run`` exits 0 even when the ServerApp
 fails, so the run's status is read with ``flwr ls``; the per-run ``uv sync`` is disabled
 (FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1) so the app runs in this environment; FLWR_HOME defaults to
 ``<app>/.flwr`` so the user's ~/.flwr is untouched.

@@ -8,7 +8,7 @@ model's files, TensorBoard), ``server/summary.py`` writes what a finished run re
 training loop and resuming.
 
 The same function runs single-node (``LocalTransport``) and on Flower (``FlowerTransport``): that is
-what makes a federated run equal to a single-node one (ARCHITECTURE.md sections 2-3).
+what makes a federated run equal to a single-node one (docs/explanation/ARCHITECTURE.md sections 2-3).
 """
 
 from __future__ import annotations

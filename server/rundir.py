@@ -1,4 +1,4 @@
-"""The run directory (ARCHITECTURE.md section 6): config.json, metrics.csv, summary.json, events.jsonl,
+"""The run directory (docs/explanation/ARCHITECTURE.md section 6): config.json, metrics.csv, summary.json, events.jsonl,
 checkpoint/ and plots/. Every whole-file write is atomic and durable
 (``common.atomic``)."""
 

@@ -630,8 +630,9 @@ def _notes(res: dict) -> list[str]:
             out.append(f"- (d) per iteration = {f['ratio_per_iteration']:.3f} > 1.2: Flower adds "
                        f"{f['overhead_per_round']:.3f} s per round (2 rounds per iteration) to a single-node "
                        f"iteration of {f['median']['single']['per_iteration']:.3f} s; the simulation engine's node "
-                       "side polls for messages every 0.1 s (FLOWER.md section 6), a floor no payload reduction "
-                       "removes. The ratio falls as per-round compute grows (larger batches or models)."
+                       "side polls for messages every 0.1 s (docs/explanation/FLOWER.md section 6), a floor no "
+                       "payload reduction removes. The ratio falls as per-round compute grows (larger batches or "
+                       "models)."
                        + (f" Flower's own FedAvg, which trains nothing, took {f['fedavg_round']:.3f} s per round "
                           f"(median of {len(f['fedavg_rounds'])}) on the same simulation in this run."
                           if "fedavg_round" in f else ""))

@@ -6,10 +6,10 @@ quantises and masks before they leave the node (server/flower/secagg.py).
 
 Per-node state lives in ``context.state`` (the model versions this node holds). The shard and worker are
 cached per process, keyed by the data configuration and partition: in simulation one process serves many
-nodes (FLOWER.md 3.4), so the cache never stands in for per-node state.
+nodes (docs/explanation/FLOWER.md 3.4), so the cache never stands in for per-node state.
 
-Deployment starts a new ``flwr-clientapp`` process for every message (FLOWER.md 3.4), so start-up must be
-cheap: this module never imports torch itself, and in a deployment the computation runs in the node's *warm
+Deployment starts a new ``flwr-clientapp`` process for every message (docs/explanation/FLOWER.md 3.4), so start-up
+must be cheap: this module never imports torch itself, and in a deployment the computation runs in the node's *warm
 worker* (``client/flower/warm.py``), a long-lived process that keeps torch, the shard and the model across
 messages (node config ``warm-seconds``; where it cannot be reached the ClientApp computes the reply itself).
 The node's shard is written once to a local file ``<cache-dir>/shards/<key>.npz`` (key: a hash of the

@@ -1,10 +1,10 @@
 """A warm worker per SuperNode: the ClientApp side.
 
-Flower 1.42's deployment runs every message in a fresh ``flwr-clientapp`` process (its SuperExec's subprocess
-executor launches one per task; the warm executors are Kubernetes-only and not for ClientApps: FLOWER.md 3.4).
+Flower 1.42's deployment runs every message in a fresh ``flwr-clientapp`` process (its SuperExec's subprocess executor
+launches one per task; the warm executors are Kubernetes-only and not for ClientApps: docs/explanation/FLOWER.md 3.4).
 Importing torch and rebuilding the shard and model then costs seconds per message. So the ClientApp hands the
-computation to a long-lived process of the same node, its *warm worker* (``client/flower/warm_daemon.py``),
-which keeps torch imported and the node's ``ShardWorker`` (shard and model) built across messages and runs.
+computation to a long-lived process of the same node, its *warm worker* (``client/flower/warm_daemon.py``), which
+keeps torch imported and the node's ``ShardWorker`` (shard and model) built across messages and runs.
 
 What stays in the ClientApp, unchanged: configuration and partition checks, the model versions in
 ``context.state`` (sent along with every request), the 'missing model versions' check, the reply. The warm

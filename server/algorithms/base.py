@@ -3,7 +3,7 @@
 An algorithm never sees records, clients or transports. At each stage it says which releases it needs
 (``queries``), and updates its state from the released, noised means (``apply``, pure post-processing).
 It declares its whole schedule of releases up front (``plan``) so that noise can be calibrated before
-training (ARCHITECTURE.md section 3).
+training (docs/explanation/ARCHITECTURE.md section 3).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Secure aggregation of one round of releases with Flower's SecAgg+ (noise-mode=distributed on Flower).
 
 Flower 1.42 ships SecAgg+ only as a legacy-strategy workflow (``flwr.server.workflow.SecAggPlusWorkflow``,
-FLOWER.md section 4): four 'train' message rounds (setup, share keys, collect masked vectors, unmask) whose
-third round carries a legacy FitIns and reads back a FitRes. This module drives that workflow from our
+docs/explanation/FLOWER.md section 4): four 'train' message rounds (setup, share keys, collect masked vectors,
+unmask) whose third round carries a legacy FitIns and reads back a FitRes. This module drives that workflow from our
 ServerApp for one round of queries:
 
 - the FitIns of a node carries the round's queries (JSON in its config) and the model versions the node lacks

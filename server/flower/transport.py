@@ -8,8 +8,8 @@
 - Each model version is sent to a node once; a node keeps the newest few in its ``context.state``. A node
   that lost them (restart) answers 'missing model versions' and gets every version again.
 - Messages are pushed and pulled with a short poll interval (10 ms, backing off to 0.05 s) and a deadline
-  (``round-timeout``), not ``send_and_receive``'s fixed 3 s poll of deployment (FLOWER.md section 6); no wait is
-  unbounded.
+  (``round-timeout``), not ``send_and_receive``'s fixed 3 s poll of deployment
+  (docs/explanation/FLOWER.md section 6); no wait is unbounded.
 - With ``secure=True`` (noise-mode=distributed) a round whose queries carry client noise goes through SecAgg+
   (server/flower/secagg.py): the server receives only the sum of the nodes' noised sums, as one reply per query
   (partition -1) counting the nodes in it; nodes that dropped out are reported as failed partitions.
@@ -125,7 +125,7 @@ class FlowerTransport:
         """The ids of the connected nodes once ``k`` have connected; after ``timeout`` seconds, those connected
         when ``policy`` is 'drop' and at least ``min_clients`` are, else ClientFailure."""
         deadline = time.monotonic() + self.timeout
-        while True:  # simulated nodes may register after the ServerApp starts (FLOWER.md pitfall 5)
+        while True:  # simulated nodes may register after the ServerApp starts (docs/explanation/FLOWER.md pitfall 5)
             nodes = sorted(self.grid.get_node_ids())
             if len(nodes) >= k:
                 return nodes[:k] if len(nodes) == k else nodes

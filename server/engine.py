@@ -35,6 +35,7 @@ from .evaluate import evaluate
 from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
+from .node_sampling import ledger_node_rate
 from .release import check_distributed
 from .releaser import Releaser
 from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, follow_n, plan_run, resolve_delta:
@@ -190,7 +191,8 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
     (nothing is released then) and TrainingStopped when a callback asked to stop (after a checkpoint)."""
     cfg, algo, n, delta, noise = plan.cfg, plan.algo, plan.n, plan.delta, plan.noise
     progress = progress or Progress()
-    ledger = Ledger(plan.releases, noise, cfg.epsilon, delta, cfg.accountant)
+    ledger = Ledger(plan.releases, noise, cfg.epsilon, delta, cfg.accountant,
+                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
     rd = RunDir(cfg.out_dir)
     rd.create()
     facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions(), test.source or None), strict=True))

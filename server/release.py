@@ -271,10 +271,12 @@ def check_secagg_grid(noise: Mapping[str, float], shares: int, nodes: int, large
     return ratio
 
 
-def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator) -> np.ndarray:
+def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator,
+               expected: float | None = None) -> np.ndarray:
     """(total + N(0, noise_std^2 I)) / (rate n): the released mean. noise_std = 0 adds no noise (non-private
-    runs, local mode, or distributed mode with every share present)."""
+    runs, local mode, or distributed mode with every share present). ``expected``: another divisor, the expected
+    number of units summed (node sampling: server/node_sampling.py ``expected_count``); default rate n."""
     out = np.array(total, dtype=np.float64)
     if noise_std > 0:
         out += rng.normal(0.0, noise_std, size=out.shape)
-    return out / (query.rate * n)
+    return out / (query.rate * n if expected is None else expected)

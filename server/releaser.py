@@ -19,6 +19,7 @@ from ..common.rng import site_rng
 from ..common.transport import ClientFailure, Transport
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
+from .node_sampling import expected_count, sample_partitions
 from .release import (
     aggregate,
     client_noise_std,
@@ -51,10 +52,17 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     A retry never depends on record values: an honest client's reply always passes ``check_reply`` (clipping
     never overshoots its bound and the check allows the rounding of the working dtype), so only transport
     failures, timeouts, a client's own error or a faulty client discard an attempt.
+
+    Node sampling (config key node-sampling-rate p < 1; server/node_sampling.py): each query asks its own Poisson
+    sample of the clients (the same one on every attempt), and 'drop' needs min(min-clients, clients asked) of the
+    clients asked to remain. With p = 1 every client is asked and nothing is drawn.
     """
+    sampled = node_samples(cfg, transport, queries)
+    asked = (set().union(*sampled.values()) if sampled is not None
+             else set(getattr(transport, "partitions", range(transport.num_clients))))
     for attempt in range(cfg.max_retries + 1):
         tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
-        result = transport.run(tries, versions)
+        result = transport.run(tries, versions) if sampled is None else transport.run(tries, versions, sampled=sampled)
         failures = dict(result.failures)
         for q in tries:
             _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
@@ -64,8 +72,11 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
         for pid, reason in sorted(failures.items()):
             log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, attempt, pid, reason)
         valid = {qid: [r for r in rs if r.partition not in failures] for qid, rs in result.replies.items()}
-        remaining = transport.num_clients - len(failures)
-        if cfg.on_client_failure == "drop" and remaining >= cfg.min_clients:
+        if sampled is None:
+            remaining, needed = transport.num_clients - len(failures), cfg.min_clients
+        else:
+            remaining, needed = len(asked - set(failures)), min(cfg.min_clients, len(asked))
+        if cfg.on_client_failure == "drop" and remaining >= needed:
             log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
             return valid
         if on_discard is not None:
@@ -77,6 +88,17 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
     raise ClientFailure(f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)}) failed "
                         f"after {attempt + 1} attempt(s) with on-client-failure={cfg.on_client_failure}: {summary}")
+
+
+def node_samples(cfg: Config, transport: Transport, queries: Sequence[Query]) -> dict[str, frozenset[int]] | None:
+    """Mechanism -> the partitions asked for it (``node_sampling.sample_partitions``, one independent sample per
+    query), or None when node-sampling-rate is 1 (every client; nothing drawn)."""
+    if cfg.node_sampling_rate == 1:
+        return None
+    present = list(getattr(transport, "partitions", range(transport.num_clients)))
+    return {q.mechanism: sample_partitions(cfg.reproducible, cfg.seed, q.iteration, q.mechanism, cfg.node_sampling_rate,
+                                           present, max(cfg.num_clients, max(present, default=-1) + 1))
+            for q in queries}
 
 
 class Releaser:
@@ -101,7 +123,11 @@ class Releaser:
         self.sum_factor = sum_rounding_factor(n)
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
-        self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant)
+        self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
+                                    ledger.node_rate)
+        self.node_unit = cfg.privacy_unit == "node"
+        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.7)
+            self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
         fault = active_fault()
@@ -115,6 +141,9 @@ class Releaser:
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
+        if self.node_unit:  # no clipped-count coordinate; the release is charged at the node-sampling rate
+            count_scale = 0.0
+            q = dataclasses.replace(q, rate=cfg.node_sampling_rate)
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = client_noise_std(cfg.noise_mode, z, self.noise_sensitivity(q), self.shares)
@@ -147,8 +176,8 @@ class Releaser:
             mode = self.cfg.noise_mode
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
             std = server_noise_std(mode, z, self.noise_sensitivity(q), self.shares, clients)
-            mean = noisy_mean(q, total, std, self.n, rng)
-            expected = q.rate * self.n
+            expected = self.expected(q)
+            mean = noisy_mean(q, total, std, self.n, rng, expected)
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
                      "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
@@ -171,6 +200,14 @@ class Releaser:
             events.append(self.monitor.observe(event))
         self.rd.append_events(events)
         return released
+
+    def expected(self, q: Query) -> float:
+        """The expected number of units a release of ``q`` sums, the divisor of its mean: q.rate n records, p q.rate n
+        with node sampling, p m nodes with privacy-unit=node (``node_sampling.expected_count``)."""
+        if self.cfg.node_sampling_rate == 1 and not self.node_unit:
+            return q.rate * self.n
+        return expected_count(self.cfg.privacy_unit, self.cfg.node_sampling_rate, q.rate, self.n,
+                              self.transport.num_clients)
 
     def _seen_by_server(self, q: Query, replies: list[Reply], discarded: bool = False) -> float | None:
         """Count a set of replies the server has seen (released or discarded) against the server; returns the noise

@@ -39,6 +39,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
                              "fixed": {m.name: m.fixed_noise for m in plan if m.fixed_noise is not None},
                              **({"proxy_variance": proxy_variance(plan, noise, profiles, n)} if profiles else {})},
         "noise_mode": cfg.noise_mode, "trust_model": trust_statement(cfg, transport_name),
+        "privacy_unit": cfg.privacy_unit, "node_sampling_rate": cfg.node_sampling_rate,
         "epsilon_against_server": releaser.epsilon_against_server(),
         **({"max_quantisation_over_noise": releaser.quantisation_ratio} if releaser.quantisation_ratio else {}),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
@@ -107,8 +108,12 @@ def not_accounted(cfg: Config, setup) -> list[str]:
         out.append("SecAgg+ quantisation: the rounding of each client's noised sum (grid step at most "
                    f"{SECAGG_STEP_OVER_SHARE_STD:g} x a share's noise std, checked before the run; bounded and "
                    "reported per release) is not modelled by the Gaussian accounting")
-    # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
-    # client) keeps them the same in neighbouring data sets (server/ledger.py)
+    if cfg.private and cfg.privacy_unit == "node":
+        out.append("n and the shard sizes: released exactly (config.json, summary.json) and used to fit the batch "
+                   "keys; with privacy-unit=node a neighbouring data set changes one node's records and their number, "
+                   "which the epsilon does not cover")
+    # with privacy-unit=record, n and the shard sizes are not listed: the unit (one record replaced with the null
+    # record, which stays on its client) keeps them the same in neighbouring data sets (server/ledger.py)
     if cfg.private:  # assumptions every private run makes (docs/explanation/privacy.md)
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
                 "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]

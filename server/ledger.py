@@ -308,7 +308,10 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
     if not any(n for m, n in plan.items() if m.fixed_noise is None):
         raise ValueError("calibration needs a plan with at least one release")
     fixed = {m: n for m, n in plan.items() if m.fixed_noise is not None}
-    if fixed and epsilon_of(plan_counts(fixed, 1.0), delta, accountant, node_rate) >= epsilon:
+    def eps_of(counts: Counter, kind: str) -> float:  # node_rate passed only when node sampling is on
+        return epsilon_of(counts, delta, kind) if node_rate == 1 else epsilon_of(counts, delta, kind, node_rate)
+
+    if fixed and eps_of(plan_counts(fixed, 1.0), accountant) >= epsilon:
         raise ValueError(f"the one-off releases ({', '.join(m.name for m in fixed)}) alone spend epsilon >= "
                          f"{epsilon:g}: raise their noise multipliers or the target")
 
@@ -318,7 +321,7 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
                             else f"relative noise {m.relative_noise:.4g})") for m, n in plan.items())
 
     def eps_with(kind: str) -> Callable[[float], float]:
-        return lambda scale: epsilon_of(plan_counts(plan, scale), delta, kind, node_rate)
+        return lambda scale: eps_of(plan_counts(plan, scale), kind)
 
     rdp_scale = _solve(eps_with("rdp"), epsilon, 1.0, describe)
     if accountant == "rdp":

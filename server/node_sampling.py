@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 from dp_accounting.pld import pld_pmf
@@ -40,9 +39,6 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from ..common.config import MIN_EXPECTED_NODES, ConfigError  # noqa: F401 - the rule's constant
 from ..common.rng import site_rng
-
-if TYPE_CHECKING:
-    from .ledger import Mechanism
 
 # Refused before any work (``Config`` validation, common/config.py): node-sampling-rate outside (0, 1] (the key's
 # range), p < 1 with noise-mode=distributed (each node's share is calibrated for a fixed number of shares, and a
@@ -138,9 +134,10 @@ def ledger_node_rate(unit: str, node_rate: float) -> float:
     return node_rate if unit == "record" else 1.0
 
 
-def unit_plan(plan: Mapping[Mechanism, int], unit: str, node_rate: float) -> dict[Mechanism, int]:
-    """The plan as the ledger charges it: unchanged for privacy-unit=record; for privacy-unit=node every mechanism
-    at Poisson rate p over the nodes (PoissonSampledDpEvent(p, GaussianDpEvent(z)), the unit a node)."""
+def unit_plan(plan: Mapping, unit: str, node_rate: float) -> dict:
+    """The plan (``ledger.Mechanism`` -> count) as the ledger charges it: unchanged for privacy-unit=record; for
+    privacy-unit=node every mechanism at Poisson rate p over the nodes (PoissonSampledDpEvent(p, GaussianDpEvent(z)),
+    the unit a node)."""
     if unit == "record":
         return dict(plan)
     return {dataclasses.replace(m, rate=node_rate): c for m, c in plan.items()}

@@ -30,8 +30,8 @@ def _pld_accountant(event=None):
 
 
 def _event(rate, z, count):
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)),
-                                             count)
+    sampled = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z))
+    return dp_accounting.SelfComposedDpEvent(sampled, count)
 
 
 @pytest.mark.parametrize(("p", "r", "z", "t"), [(0.3, 0.1, 1.0, 5), (0.05, 0.5, 2.0, 12)])
@@ -62,7 +62,7 @@ def test_rdp_of_the_mixture_is_the_log_moment_of_the_node_coin():
     p, r, z, t, delta = 0.2, 0.3, 1.5, 50, 1e-5
     orders = np.array([2.0, 4.0, 8.0, 16.0, 32.0])
     base = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(r, z, orders)  # noqa: SLF001
-    direct = [math.log((1 - p) * 1.0 + p * math.exp((a - 1) * d)) / (a - 1) for a, d in zip(orders, base)]
+    direct = [math.log((1 - p) * 1.0 + p * math.exp((a - 1) * d)) / (a - 1) for a, d in zip(orders, base, strict=True)]
     assert np.allclose(mixed_rdp(base, orders, p), direct, rtol=1e-12)
     acc = rdp_privacy_accountant.RdpAccountant(neighboring_relation=NEIGHBOURING_RELATION)
     acc.compose(_event(r, z, t))

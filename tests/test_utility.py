@@ -538,7 +538,12 @@ def test_main_job_is_the_tuned_best_configuration():
     local = {"out-dir", "eval-every", "checkpoint-every"}
     assert {k: v for k, v in main.items() if k not in local} == {k: v for k, v in best.items() if k not in local}
     assert main["out-dir"] == "runs/main" and best["dataset"] == "mnist-st" and best["epsilon"] == 4.0
-    Config.from_mapping(main)  # valid
+    import warnings
+
+    from dpdro.common.config import IgnoredKeyWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeyWarning)  # the quick start prints no warning
+        Config.from_mapping(main)  # valid, and every key it sets is read
 
 
 def test_hazard_variants_of_a_group_level_config_toggle_the_group_levers(tmp_path):

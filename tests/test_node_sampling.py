@@ -227,3 +227,39 @@ def test_node_sampled_and_node_level_runs_on_real_data(small_config, tmp_path):
     assert set(out["sampling_rates"].values()) == {1.0} and 0.99 * 8 <= out["epsilon_spent"] <= 8
     assert any("n and the shard sizes" in s for s in out["not_accounted"])
     assert "node-level (one node's whole data" in open(tmp_path / "node" / "MODEL_CARD.md").read()
+
+
+class _FailingNodes(_Nodes):
+    """_Nodes in which partition ``bad`` fails ``failures`` times when asked."""
+
+    def __init__(self, m: int, bad: int, failures: int) -> None:
+        super().__init__(m)
+        self.bad, self.failures = bad, failures
+
+    def run(self, queries, versions, sampled=None):
+        out = super().run(queries, versions, sampled)
+        if self.bad in self.asked[-1] and self.failures > 0:
+            self.failures -= 1
+            out.failures[self.bad] = "RuntimeError: injected"
+            for q in queries:
+                out.replies[q.qid] = [r for r in out.replies[q.qid] if r.partition != self.bad]
+        return out
+
+
+@pytest.mark.parametrize("policy", ["drop", "retry"])
+def test_a_sampled_node_that_fails_follows_the_failure_policy(policy):
+    """A sampled node that fails: 'drop' releases the other sampled nodes' replies (min(min-clients, asked) of them
+    remain); 'retry' asks the same sample again, and it answers."""
+    from dpdro.server.releaser import collect_round
+
+    m, p = 40, 0.5
+    cfg = Config.from_mapping({"algorithm": "dp-sgd", "num-clients": m, "node-sampling-rate": p, "reproducible": True,
+                               "on-client-failure": policy, "min-clients": 2, "epsilon": "inf"})
+    q = Query(3, "grad", "class-onehot", (Point(0, 0.0),), 1.0, math.inf, 2)
+    sample = sample_partitions(True, cfg.seed, 3, "grad", p, range(m), m)
+    nodes = _FailingNodes(m, bad=min(sample), failures=1)
+    replies = collect_round(cfg, nodes, [q], {0: np.zeros(1)})[q.qid]
+    got = {r.partition for r in replies}
+    assert all(asked == sample for asked in nodes.asked)
+    assert got == (sample - {min(sample)} if policy == "drop" else sample)
+    assert len(nodes.asked) == (1 if policy == "drop" else 2)

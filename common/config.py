@@ -62,6 +62,12 @@ def _dataset_names() -> tuple[str, ...]:
 BUILTIN_MODELS = ("cnn", "cnn32", "resnet20", "cnn64", "mlp", "convnet", *SCATTER_MODELS)
 
 
+def _partition_names() -> tuple[str, ...]:
+    from .partition import PARTITIONS  # late: numpy
+
+    return PARTITIONS.names()
+
+
 def _model_names() -> tuple[str, ...]:
     registry = getattr(sys.modules.get(f"{__package__}.models"), "MODELS", None)
     return ("auto", *(registry.names() if registry is not None else BUILTIN_MODELS))
@@ -136,7 +142,7 @@ CORE_FIELDS: tuple[Field, ...] = (
           "data set; 'node-local': each Flower node trains on its own data, read from its node config "
           "(flower-supernode --node-config \"data-root='/site/data'\"), nothing partitioned centrally, the server "
           "learning only the shard sizes (deployment only: docs/how-to/OPERATOR.md).",
-          choices=("iid", "dirichlet", "node-local"), role="data"),
+          choices=_partition_names, role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
     Field("features", "str", "none", "Feature front-end, computed once per record on the node that holds it "
@@ -543,6 +549,7 @@ class Config:
 
     def _check_data(self) -> None:
         from .data import DATASETS  # late: data.py imports this module
+        from .partition import is_node_local
 
         try:  # an import path is imported here: its error before any work
             spec = DATASETS.get_entry(self.dataset)
@@ -561,8 +568,8 @@ class Config:
                 MODELS.get_entry(self.model)
             except ValueError as e:
                 raise ConfigError(f"config key 'model': {e}") from None
-        if self.partition == "node-local" and not spec.num_classes and "classes" in spec.keys \
-                and not self.classes.strip():
+        if not spec.num_classes and "classes" in spec.keys and not self.classes.strip() \
+                and is_node_local(self.partition):
             raise ConfigError(f"config key 'classes': got ''; allowed with partition='node-local' and dataset="
                               f"{self.dataset}: the class names in label order (each site's files may hold other "
                               "classes, so they cannot come from one site's files)")

@@ -39,6 +39,7 @@ from ...common.atomic import atomic_writer
 from ...common.config import Config, keys_with_role
 from ...common.errors import DpdroError
 from ...common.flower.wire import pack_replies, unpack_queries
+from ...common.partition import is_node_local
 
 app = ClientApp()
 log = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ class PartitionError(ValueError, DpdroError):
 
 
 NODE_KEYS = ("data-root", "cache-dir")  # node-config keys that override the run config on this node
-NODE_LOCAL = "node-local"  # config key partition: each node trains on the data its node config points at
 # The keys that can change which records a node holds (role 'data' in common/config.py): the shard-cache key.
 DATA_KEYS = keys_with_role("data")
 
@@ -73,7 +73,7 @@ def _config(context: Context) -> Config:
     if "dataset" in node and str(node["dataset"]) != cfg.dataset:
         raise PartitionError(f"node config dataset={node['dataset']!r}, but the run trains on dataset="
                              f"{cfg.dataset!r}: this site holds other data than the run expects")
-    if cfg.partition == NODE_LOCAL and "data-root" not in node:
+    if is_node_local(cfg.partition) and "data-root" not in node:
         raise PartitionError("partition='node-local' but this node's node config sets no data-root: start the "
                              "SuperNode with --node-config \"data-root='/site/data' ...\" (where this site keeps "
                              "its records)")
@@ -119,7 +119,7 @@ def _load_shard(cfg: Config, pid: int):
                                     str(z["name"]), groups, int(z["num_groups"]))
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:  # truncated: not a zip
             log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
-    if cfg.partition == NODE_LOCAL:
+    if is_node_local(cfg.partition):
         shard = _all_local_records(cfg)
     else:
         train = load_from_config(cfg, train=True)

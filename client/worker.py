@@ -1,5 +1,5 @@
 """The work of one client on one query: Poisson-sample its records, compute the per-record quantity at
-one point (refresh) or two points (difference), clip each record's vector and sum (ALGORITHMS.md 5.3).
+one point (refresh) or two points (difference), clip each record's vector and sum (docs/explanation/ALGORITHMS.md 5.3).
 
 Nothing here knows about Flower: the in-process transport and the ClientApp call the same code.
 """

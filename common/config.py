@@ -89,10 +89,11 @@ CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
 CORE_FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
-    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
-          "and 'image-folder' read your own files (docs: how-to/own-data); 'package.module:function' calls your "
-          "function (split, data_root) -> (x, y[, groups]) or a Dataset; 'python-data' is recorded by "
-          "dpdro.fit(data=...) (records from Python, no file).", choices=_dataset_names, role="data",
+    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, "
+          "docs/explanation/ALGORITHMS.md 6.2); 'csv' and 'image-folder' read your own files (docs: "
+          "how-to/own-data); 'package.module:function' calls your function (split, data_root) -> (x, y[, groups]) or "
+          "a Dataset; 'python-data' is recorded by dpdro.fit(data=...) (records from Python, no file).",
+          choices=_dataset_names, role="data",
           entry_point=True),
     Field("data-root", "str", AUTO, "Built-in data sets: folder holding <Name>/raw/ in torchvision's layout (.gz or "
           "extracted); 'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache. "
@@ -168,7 +169,7 @@ CORE_FIELDS: tuple[Field, ...] = (
           "initial (or init-weights) values. Gradients, clipping, noise and the ledger's dimension cover the "
           "trainable ones only.", role="algorithm"),
     # DRO problem
-    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
+    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (docs/explanation/ALGORITHMS.md 1.3).", choices=PSIS,
           role="algorithm"),
     Field("lambda", "float", 1.0, "Penalty weight lambda > 0 of the psi-divergence (public constant).",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
@@ -192,7 +193,7 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000, role="algorithm"),
     Field("warmup-iterations", "int", 0, "Linear warm-up of every step size (lr-x, lr-eta, lr-lambda, lr-p): "
           "iteration t < W uses (t + 1) / W of each (0: off). Post-processing of released values, no privacy cost "
-          "(ALGORITHMS.md 5.5).",
+          "(docs/explanation/ALGORITHMS.md 5.5).",
           low=0, high=10_000_000, role="algorithm"),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
           "refresh-batch / n).", low=1, high=10**9, role="algorithm"),
@@ -636,7 +637,8 @@ class Config:
     @property
     def private_eta_init(self) -> bool:
         """Whether eta starts from the private mean-loss release. Not at dro-level=group, where eta is solved exactly
-        from the released group losses at every iteration (ALGORITHMS.md 3.3): the release would be unused budget."""
+        from the released group losses at every iteration (docs/explanation/ALGORITHMS.md 3.3): the release would be
+        unused budget."""
         return (self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
                 and not self.group_level)
 

@@ -10,7 +10,7 @@ itself is never written. An explicit data root must hold the files (extracted or
 read (``common.cache_files``): a damaged cached copy of an intact source is rebuilt; any other damaged file is
 a DataError naming it.
 
-'-ST' construction (ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
+'-ST' construction (docs/explanation/ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
 order; for each class k in the first half of the classes keep only its last ceil(r * count_k) records
 (indices floor(count_k (1 - r)) to the end of that class's list); keep every record of the other classes.
 The test split is unchanged.
@@ -624,7 +624,7 @@ def _cifar10_loader(split, data_root, cache_dir, download, split_seed):
     return (*_load_cifar10(split == "train", data_root, cache_dir, download, _CACHE_FALLBACK.get()), None)
 
 
-# ---- the built-in data sets ('-st': long-tailed, ALGORITHMS.md 6.2) ----
+# ---- the built-in data sets ('-st': long-tailed, docs/explanation/ALGORITHMS.md 6.2) ----
 # How they scale their inputs (``_to_float``): a data-independent map, stated for users in model.json.
 BUILTIN_INPUT_SCALING = "uint8 pixels p -> p / 255 * 2 - 1 (channels first, float)"
 for _name, _class, _model in (("mnist", "MNIST", "cnn"), ("fashion-mnist", "FashionMNIST", "cnn")):

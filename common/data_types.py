@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # imported where tensors are built: config validation must no
     import torch
 
 # Test split of user data without a declared test file or folder: this fraction of every class (seeded by
-# split-seed), as the CelebA subset's split (ALGORITHMS.md 6.2).
+# split-seed), as the CelebA subset's split (docs/explanation/ALGORITHMS.md 6.2).
 USER_TEST_FRACTION = 0.2
 
 

@@ -189,8 +189,8 @@ def audit_specs(slots: int) -> dict[str, AuditSpec]:
         "recursive-spider": AuditSpec({"algorithm": "recursive-spider", "iterations": 2, "q": 2, "epsilon": 12.0,
                                        "refresh-batch": slots, "diff-batch": half, "s-batch": half,
                                        "s-noise-ratio": 1.0}),
-        # group level (ALGORITHMS.md 3.3, 4.3): the K-vector group-loss releases (clip B), the weighted x releases
-        # (weight-after-clip: clip C_x max_k w_k) and the class histogram the group priors come from
+        # group level (docs/explanation/ALGORITHMS.md 3.3, 4.3): the K-vector group-loss releases (clip B), the weighted
+        # x releases (weight-after-clip: clip C_x max_k w_k) and the class histogram the group priors come from
         "dp-double-spider:group": AuditSpec({**spider, "epsilon": 12.0, "dro-level": "group", "psi": "kl",
                                              "dro-clip": "weight-after-clip", "weight-cap": 2.0}),
         "recursive-spider:group": AuditSpec({"algorithm": "recursive-spider", "dro-level": "group", "iterations": 2,

@@ -57,7 +57,7 @@ STEP_SIZE_KEYS = ("lr-x", "lr-eta", "lr-lambda", "lr-p")
 
 def warmup_factor(t: int, warmup_iterations: int) -> float:
     """The step-size factor of iteration t (0-based) under a linear warm-up over W = ``warmup_iterations``
-    (ALGORITHMS.md 5.5):
+    (docs/explanation/ALGORITHMS.md 5.5):
     (t + 1) / W for t < W, 1 afterwards and when W = 0 (off). Depends on t and W only (public), so scaling
     the steps is post-processing of released values and costs no privacy. ValueError for t or W < 0."""
     if t < 0 or warmup_iterations < 0:

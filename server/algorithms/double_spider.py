@@ -1,4 +1,4 @@
-"""DP Double-SPIDER (seed paper, Algorithm 2; ALGORITHMS.md section 3).
+"""DP Double-SPIDER (seed paper, Algorithm 2; docs/explanation/ALGORITHMS.md section 3).
 
 Minimises the dual psi-divergence DRO objective (1/n) sum_i L(x, eta; xi_i) jointly in the model x and the
 dual variable eta, with one SPIDER estimator per block:
@@ -23,19 +23,19 @@ iterate x_tau with tau drawn uniformly from {0..T-1} by a public coin before tra
 
 Stages: 0 = eta block (needs x_t, x_{t-1}), 1 = x block. Model version id k is the iterate x_k.
 
-block-order=simultaneous (ALGORITHMS.md 3.4): the x block is evaluated at (x_t, eta_t) and its difference
-against (x_{t-1}, eta_{t-1}), the points of the eta block, so both releases go out in one round (stage 0 only);
-the releases, clips and sensitivities are those above with eta_{t+1} replaced by eta_t (Jacobi instead of
+block-order=simultaneous (docs/explanation/ALGORITHMS.md 3.4): the x block is evaluated at (x_t, eta_t) and its
+difference against (x_{t-1}, eta_{t-1}), the points of the eta block, so both releases go out in one round (stage 0
+only); the releases, clips and sensitivities are those above with eta_{t+1} replaced by eta_t (Jacobi instead of
 Gauss-Seidel order).
 
-dro-clip=weight-after-clip (ALGORITHMS.md 5.4) replaces the per-record x quantity clip_C(w grad l) by
+dro-clip=weight-after-clip (docs/explanation/ALGORITHMS.md 5.4) replaces the per-record x quantity clip_C(w grad l) by
 w~ clip_C(grad l), w~ the weight of the loss clamped at the public bound B: the weights survive clipping. Its
 refresh clips at (and adds noise for) the sensitivity C W_t, W_t = psi*'((B - G eta_{t+1}) / lambda) the public
 bound of w~ at the released eta_{t+1}; its differences keep the clip C_t; the eta block uses the same clamped
 weights.
 
-eta-clip-rule=weight-bound (ALGORITHMS.md 3.1): the fixed clip C_eta of G (1 - w) biases eta wherever some
-weight exceeds 1 + C_eta / G (the high-loss records' pull on eta is cut, eta sinks, every weight grows: for kl,
+eta-clip-rule=weight-bound (docs/explanation/ALGORITHMS.md 3.1): the fixed clip C_eta of G (1 - w) biases eta wherever
+some weight exceeds 1 + C_eta / G (the high-loss records' pull on eta is cut, eta sinks, every weight grows: for kl,
 lambda 1 the fixed point was eta 0.056 against the dual optimum 3.97). Instead the weights are those of
 min(l, B) (capped at weight-cap), so 0 <= w <= W_t = min(psi*'((B - G eta_t) / lambda), W_cap), and the
 eta-refresh clips at its public range bound C_eta,t = G max(1, W_t - 1): it clips nothing, its sensitivity is
@@ -170,7 +170,8 @@ class DoubleSpider(Algorithm):
 
     @property
     def simultaneous(self) -> bool:
-        """block-order=simultaneous: both blocks at (x_t, eta_t), one round per iteration (ALGORITHMS.md 3.4)."""
+        """block-order=simultaneous: both blocks at (x_t, eta_t), one round per iteration
+        (docs/explanation/ALGORITHMS.md 3.4)."""
         return self.cfg.block_order == "simultaneous"
 
     def _eta_query(self, state: DoubleSpiderState) -> Query:

@@ -1,4 +1,5 @@
-"""Baselines that take one plain (not variance-reduced) DP gradient step per iteration (ALGORITHMS.md 6.1):
+"""Baselines that take one plain (not variance-reduced) DP gradient step per iteration
+(docs/explanation/ALGORITHMS.md 6.1):
 
 - ``dp-sgd`` (Abadi et al. 2016): ERM with cross-entropy; g_t = noisy mean of clip_{C_x}(grad l(x_t; xi))
   over a Poisson batch of expected size N (refresh-batch); x_{t+1} = x_t - gamma_x g_t.

@@ -1,9 +1,10 @@
-"""DP stochastic gradient descent-ascent on the class-level DRO min-max (ALGORITHMS.md 6.1 (d)):
+"""DP stochastic gradient descent-ascent on the class-level DRO min-max (docs/explanation/ALGORITHMS.md 6.1 (d)):
 
     min_x max_{p in simplex_K} sum_k p_k l_k(x) - lambda KL(p || uniform_K),  l_k = mean loss of class k.
 
 The K groups are the classes, or with dro-groups=attribute the data set's declared group attribute (e.g. CelebA's
-4 cells 2 * Blond_Hair + Male): the same information the group-level paper methods get (ALGORITHMS.md 3.3).
+4 cells 2 * Blond_Hair + Male): the same information the group-level paper methods get
+(docs/explanation/ALGORITHMS.md 3.3).
 
 Per iteration, two releases on independent Poisson batches (one round), both at x_t:
   'class-stats': noisy sums of clip_{C_s}([e_y min(l, B) ; e_y]) -> per-class loss sums and counts;

@@ -1,5 +1,5 @@
 """Private SpiderBoost (Arora et al. 2023) on z = (x, eta) of the psi-divergence dual, z treated as one
-variable: one SPIDER estimator, one clip and one Poisson batch per release (ALGORITHMS.md 6.1 (c)); the
+variable: one SPIDER estimator, one clip and one Poisson batch per release (docs/explanation/ALGORITHMS.md 6.1 (c)); the
 contrast with DP Double-SPIDER, which has separate estimators, clips and batches for x and eta.
 
     t mod q == 0: g_t = noisy mean of clip_{C_x}(grad_z L(z_t))                                'refresh'

@@ -1,4 +1,4 @@
-"""Group-level DRO in the paper's two frameworks (config dro-level=group; ALGORITHMS.md 3.3 and 4.3).
+"""Group-level DRO in the paper's two frameworks (config dro-level=group; docs/explanation/ALGORITHMS.md 3.3 and 4.3).
 
 The uncertainty set is over groups (the K classes) instead of records: with pi the group frequencies, l_k(x) the
 mean loss of group k and r the divergence's reference distribution (dro-reference: r = pi, the paper's centre, the
@@ -35,9 +35,9 @@ Each iteration makes two releases in two rounds, both over independent Poisson b
      C_max): the weights change between the two points, and both bounds are public.
      x_{t+1} = x_t - lr-x b_t.
 
-block-order=simultaneous (ALGORITHMS.md 3.4): stage 1's release at x_t uses the weights w_t computed from release
-t - 1 (w_0 = 1) and goes out with stage 0's release at x_t in one round; the weights from release t are used at
-x_{t+1}. Same releases and clips, one round per iteration instead of two.
+block-order=simultaneous (docs/explanation/ALGORITHMS.md 3.4): stage 1's release at x_t uses the weights w_t computed
+from release t - 1 (w_0 = 1) and goes out with stage 0's release at x_t in one round; the weights from release t are
+used at x_{t+1}. Same releases and clips, one round per iteration instead of two.
 
 Every per-record vector has a public clip, so each release is a Poisson-subsampled Gaussian mechanism in the
 ledger like the record-level releases; the group losses cost a K-dimensional release per iteration.
@@ -162,7 +162,7 @@ class GroupDro(Algorithm):
     @staticmethod
     def record_weights(state: GroupState, v: np.ndarray) -> np.ndarray:
         """The record weights w_k = r_k v_k / pi_k (K,) from the ratios v_k = q_k / r_k: the gradient
-        sum_k q_k grad l_k is (1/n) sum_i w_{y_i} grad l_i (ALGORITHMS.md 3.3). w = v when r = pi."""
+        sum_k q_k grad l_k is (1/n) sum_i w_{y_i} grad l_i (docs/explanation/ALGORITHMS.md 3.3). w = v when r = pi."""
         return state.ref * v / state.pi
 
     def _weight_clip(self, w: np.ndarray) -> float:
@@ -268,7 +268,7 @@ def averaged(average: np.ndarray, release: np.ndarray, beta: float, t: int) -> n
 
 def solve_eta(losses: np.ndarray, pi: np.ndarray, psi, lam: float, eta_scale: float, cap: float) -> float:
     """The dual variable eta with sum_k pi_k min(psi*'((l_k - G eta) / lambda), cap) = 1, by bisection (the sum is
-    non-increasing in eta and exceeds 1 for eta low enough when cap > 1; ALGORITHMS.md 3.3).
+    non-increasing in eta and exceeds 1 for eta low enough when cap > 1; docs/explanation/ALGORITHMS.md 3.3).
 
     losses, pi: (K,) float64 (pi > 0, sum 1); returns eta (float). Post-processing of public values only."""
     lt = torch.as_tensor(losses, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""DP Recursive-Spider (seed paper, Algorithm 3; ALGORITHMS.md sections 2 and 4).
+"""DP Recursive-Spider (seed paper, Algorithm 3; docs/explanation/ALGORITHMS.md sections 2 and 4).
 
 KL-constrained DRO as a compositional problem over w = (x, lambda):
 
@@ -22,12 +22,13 @@ Update (post-processing of released values; simultaneous, both at w_t):
 
 The v/u release of one batch is one sampled Gaussian event (joint clip); the s release is its own event.
 
-rs-clip-units=relative (ALGORITHMS.md 5.4): each record's v/u vector is multiplied by k_t = lambda_t / s_{t-1}
-(public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
+rs-clip-units=relative (docs/explanation/ALGORITHMS.md 5.4): each record's v/u vector is multiplied by k_t = lambda_t /
+s_{t-1} (public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
 and clip-diff-max bound a record's contribution to the update z = lambda v / s itself, whatever the scale of
 g~ (which can be e^{-B/lambda}, far below 1). s_{-1} = 1.
 
-s-clip-units=relative (ALGORITHMS.md 2.5): the STORM term of s is released in units of the previous estimate,
+s-clip-units=relative (docs/explanation/ALGORITHMS.md 2.5): the STORM term of s is released in units of the
+previous estimate,
 
     m_t = noisy mean of clip_{C_s}((g~(w_t) - (1 - beta) g~(w_{t-1})) / s_{t-1}),
     s_t = (1 - beta) s_{t-1} + s_{t-1} m_t          (t = 0: s_0 = s_{-1} m_0, m_0 of g~(w_0) / s_{-1}),

@@ -53,10 +53,10 @@ class DpSgda(Algorithm):
     @property
     def k(self) -> int:
         """The number of groups: the K classes, or the declared group attribute's G (dro-groups=attribute)."""
-        return self.num_groups if self.cfg.dro_groups == "attribute" else self.num_classes
+        return self.num_groups if self.params.dro_groups == "attribute" else self.num_classes
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        return {"class-stats": NoiseProfile(2 * self.k, self.cfg.clip_stats, 1.0),
+        return {"class-stats": NoiseProfile(2 * self.k, self.params.clip_stats, 1.0),
                 "grad": NoiseProfile(self.dim, self.cfg.clip_x, 1.0)}
 
     def init_state(self, x0: np.ndarray) -> SgdaState:
@@ -69,21 +69,23 @@ class DpSgda(Algorithm):
 
     def queries(self, state: SgdaState) -> list[Query]:
         c, t, k = self.cfg, state.t, self.k
+        p = self.params
         r = self.rate(c.refresh_batch)
         weights = tuple(float(w) for w in state.p / state.pi)
-        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(c.clip_stats),
+        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(p.clip_stats),
                       2 * k, extra=(0.0,) * k),
                 Query(t, "grad", "class-weighted-grad", (Point(t, 0.0),), r, c.clip(c.clip_x), self.dim,
                       extra=weights)]
 
     def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:
         c, k = self.cfg, self.k
+        pr = self.params
         expected = self.rate(c.refresh_batch) * self.n  # released means are sums / expected batch
         sums, counts = released["class-stats"][:k] * expected, released["class-stats"][k:] * expected
         counts = np.maximum(counts, 1.0)
-        class_loss = np.clip(sums / counts, 0.0, c.loss_bound)
+        class_loss = np.clip(sums / counts, 0.0, pr.loss_bound)
         s = dataclasses.replace(state)
-        logits = np.log(state.p) + c.lr_p * (class_loss - c.lambda_ * np.log(k * state.p))
+        logits = np.log(state.p) + pr.lr_p * (class_loss - c.lambda_ * np.log(k * state.p))
         p = np.exp(logits - logits.max())
         s.p = np.maximum(p / p.sum(), 1e-12)
         freq = counts / counts.sum()

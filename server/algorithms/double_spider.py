@@ -121,8 +121,7 @@ class DoubleSpider(Algorithm):
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        c, q = self.cfg, self.params.q
-        p = self.params
+        c, p, q = self.cfg, self.params, self.params.q
         # Nominal clips (a proxy, fixed before training): the data-free bounds at the public eta-init.
         x_clip = c.clip_x * p.weight_cap if self.weight_after_clip and math.isfinite(p.weight_cap) else c.clip_x
         return {"eta-refresh": NoiseProfile(1, self.eta_clip(p.eta_init), q),
@@ -176,8 +175,7 @@ class DoubleSpider(Algorithm):
         return self.params.block_order == "simultaneous"
 
     def _eta_query(self, state: DoubleSpiderState) -> Query:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         if t % p.q == 0:
             return Query(t, "eta-refresh", "dual-eta", (Point(t, state.eta),), self.rate(c.refresh_batch),
                          c.clip(self.eta_clip(state.eta)), 1)
@@ -188,8 +186,7 @@ class DoubleSpider(Algorithm):
 
     def _x_block_query(self, state: DoubleSpiderState, eta: float, eta_prev: float) -> Query:
         """The x block's release at (x_t, eta), its difference against (x_{t-1}, eta_prev)."""
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         if t % p.q == 0:
             return self._x_query(t, "x-refresh", (Point(t, eta),), self.rate(c.refresh_batch), c.clip(c.clip_x))
         dx = float(np.linalg.norm(state.x - state.x_prev))

@@ -68,8 +68,7 @@ class DpSgda(Algorithm):
         return {state.t: state.x}
 
     def queries(self, state: SgdaState) -> list[Query]:
-        c, t, k = self.cfg, state.t, self.k
-        p = self.params
+        c, p, t, k = self.cfg, self.params, state.t, self.k
         r = self.rate(c.refresh_batch)
         weights = tuple(float(w) for w in state.p / state.pi)
         return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(p.clip_stats),
@@ -78,8 +77,7 @@ class DpSgda(Algorithm):
                       extra=weights)]
 
     def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:
-        c, k = self.cfg, self.k
-        pr = self.params
+        c, pr, k = self.cfg, self.params, self.k
         expected = self.rate(c.refresh_batch) * self.n  # released means are sums / expected batch
         sums, counts = released["class-stats"][:k] * expected, released["class-stats"][k:] * expected
         counts = np.maximum(counts, 1.0)

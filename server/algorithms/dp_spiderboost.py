@@ -62,8 +62,7 @@ class DpSpiderBoost(Algorithm):
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
     def queries(self, state: SpiderBoostState) -> list[Query]:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         now = Point(t, state.eta)
         if t % p.q == 0:
             return [Query(t, "refresh", "dual-joint", (now,), self.rate(c.refresh_batch),

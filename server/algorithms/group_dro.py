@@ -169,8 +169,7 @@ class GroupDro(Algorithm):
         return self.cfg.clip_x * float(np.max(w)) if self.weight_after_clip else self.cfg.clip_x
 
     def x_query(self, state: GroupState) -> Query:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         grad_clip = c.clip(c.clip_x) if self.weight_after_clip else math.inf
         if t % p.q == 0:
             extra = (grad_clip, self.k, *state.w)
@@ -325,8 +324,7 @@ class GroupDoubleSpider(GroupDro):
         return self.params.eta_init
 
     def loss_query(self, state: GroupState) -> Query:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         extra = (0.0,) * self.k
         if t % p.q == 0:
             return Query(t, "group-refresh", "group-loss", (Point(t, 0.0),), self.rate(c.refresh_batch),
@@ -373,8 +371,7 @@ class GroupRecursiveSpider(GroupDro):
         return self.params.lambda_init
 
     def loss_query(self, state: GroupState) -> Query:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         extra = (0.0,) * self.k
         if t == 0:
             return Query(t, "group-storm", "group-loss", (Point(t, 0.0),), self.rate(p.s_batch),

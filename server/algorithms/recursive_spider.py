@@ -136,8 +136,7 @@ class RecursiveSpider(Algorithm):
         return 1.0 / state.s if self.params.s_clip_units == "relative" else 1.0
 
     def queries(self, state: RecursiveSpiderState) -> list[Query]:
-        c, t = self.cfg, state.t
-        p = self.params
+        c, p, t = self.cfg, self.params, state.t
         now, before = Point(t, state.lam), Point(t - 1, state.lam_prev)
         k = self.vu_scale(state)
         extra = (k,) if k != 1.0 else ()

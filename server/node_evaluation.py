@@ -44,7 +44,14 @@ from ..common.messages import Point, Query
 from .ledger import Mechanism, calibrate, epsilon_of
 
 EVAL_MECHANISM = EVAL_QUANTITY  # the ledger's name of a node evaluation release
-EVAL_VERSION = -2  # model version id the evaluated parameters travel under (no algorithm uses negative ids)
+
+
+def eval_version(iteration: int) -> int:
+    """Model version id of the parameters evaluated at ``iteration``: -(iteration + 2), negative (the algorithms'
+    ids are iterations >= 0) and new at every evaluation, so that a Flower node never reuses an earlier
+    evaluation's parameters held under the same id, and its store (newest ids kept) drops them first."""
+    return -(iteration + 2)
+
 EVAL_DATA = ("auto", "server", "nodes")
 
 
@@ -95,9 +102,9 @@ def mechanisms(cfg, delta: float) -> dict[Mechanism, int]:
 def eval_query(iteration: int, num_classes: int, shift: np.ndarray | None) -> Query:
     """The query of one node evaluation at iteration ``iteration``: every held-out record (rate 1), clip sqrt(2)
     (the count vector's norm bound, never reached by scaling), dimension 2K, the public prediction shift (K,) in
-    ``extra``; the evaluated parameters travel as version ``EVAL_VERSION``."""
-    return Query(iteration, EVAL_MECHANISM, EVAL_QUANTITY, (Point(EVAL_VERSION, 0.0),), 1.0, EVAL_SENSITIVITY,
-                 2 * num_classes, extra=tuple(float(v) for v in shift) if shift is not None else ())
+    ``extra``; the evaluated parameters travel as version ``eval_version(iteration)``."""
+    return Query(iteration, EVAL_MECHANISM, EVAL_QUANTITY, (Point(eval_version(iteration), 0.0),), 1.0,
+                 EVAL_SENSITIVITY, 2 * num_classes, extra=tuple(float(v) for v in shift) if shift is not None else ())
 
 
 def noisy_counts(counts: np.ndarray, noise_std: float, rng: np.random.Generator) -> np.ndarray:
@@ -161,7 +168,7 @@ def evaluate_on_nodes(releaser, iteration: int, flat: np.ndarray, num_classes: i
     loss is released) and eval_noise_std, the std of each released count. Raises PrivacyBudgetExceeded when the
     ledger refuses the release (nothing is released)."""
     q = eval_query(iteration, num_classes, shift)
-    released = releaser.run([q], {EVAL_VERSION: np.asarray(flat, dtype=np.float64)})
+    released = releaser.run([q], {q.points[0].version: np.asarray(flat, dtype=np.float64)})
     noisy = released[EVAL_MECHANISM] * (q.rate * releaser.n)  # the releaser hands back sum / (rate n)
     std = releaser.ledger.noise_multiplier(EVAL_MECHANISM) * releaser.noise_sensitivity(q)
     return {**metrics_from_counts(noisy, std), "eval_loss": math.nan, "eval_noise_std": std}

@@ -69,6 +69,7 @@ class ShardWorker:
         # the node's own held-out records (eval-data=nodes), never trained on; None: it holds none
         self.held_out = None if held_out is None else (held_out.x.to(self.device, self.dtype),
                                                        held_out.y.to(self.device))
+        self._said_no_held_out = False
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
 
@@ -168,11 +169,13 @@ class ShardWorker:
     def _answer_eval(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
         """A node evaluation (eval-data=nodes, common/eval_counts.py): the (2K,) per-class correct and total counts
         of the query's model on this node's held-out records, noised like any reply when ``query.noise_std`` > 0.
-        A node without held-out records says so (a warning in its log) and replies zeros over 0 records."""
+        A node without held-out records says so (a warning in its log, once) and replies zeros over 0 records."""
         flat = torch.as_tensor(versions[query.points[0].version]).to(self.device, self.dtype)
         if self.held_out is None or int(self.held_out[1].shape[0]) == 0:
-            log.warning("partition %d holds no held-out records: it contributes nothing to the node evaluation "
-                        "(eval-data=nodes)", self.partition)
+            if not self._said_no_held_out:  # once per worker: every evaluation of the run would repeat it
+                self._said_no_held_out = True
+                log.warning("partition %d holds no held-out records: it contributes nothing to the node evaluation "
+                            "(eval-data=nodes)", self.partition)
             out, count = np.zeros(query.dim, dtype=np.float64), 0
         else:
             x, y = self.held_out

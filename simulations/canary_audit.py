@@ -478,9 +478,12 @@ def report_lines(rows: Sequence[AuditRow], command: str, slots: int) -> list[str
 
 def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, max_releases: int = 20_000,
                      plan: Sequence[tuple[str, str, tuple[str, ...], str | None]] = DEFAULT_PLAN,
-                     command: str = "dpdro lab audit --mode canary", progress=None) -> tuple[Path, list[AuditRow]]:
+                     command: str = "dpdro lab audit --mode canary", progress=None,
+                     node_evaluation: bool = True) -> tuple[Path, list[AuditRow]]:
     """Run every audit of ``plan`` and write the canary section of ``docs``/AUDIT.md (the other mode's section
-    is kept); returns (its path, the rows). ``progress(rows)`` is called with each audited configuration's rows."""
+    is kept); returns (its path, the rows). ``progress(rows)`` is called with each audited configuration's rows.
+    ``node_evaluation``: also audit the node evaluation's release (simulations/eval_audit.py, its own table; its
+    rows are returned too)."""
     rows: list[AuditRow] = []
     for name, mode, mechanisms, broken in plan:
         new = audit_config(name, slots=slots, trials=trials, max_releases=max_releases, noise_mode=mode,
@@ -488,7 +491,15 @@ def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, ma
         rows += new
         if progress is not None:
             progress(new)
-    path = write_section(docs / "AUDIT.md", "canary", report_lines(rows, command, slots))
+    lines = report_lines(rows, command, slots) if rows else []
+    if node_evaluation:
+        from .eval_audit import report_lines as eval_lines
+        from .eval_audit import run_eval_audit
+
+        evals = run_eval_audit(trials)
+        lines += ["", *eval_lines(evals, command)]
+        rows += evals
+    path = write_section(docs / "AUDIT.md", "canary", lines)
     return path, rows
 
 

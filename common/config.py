@@ -78,7 +78,7 @@ def __getattr__(name: str) -> Any:
 
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 # The items of key chosen-on-private-data: choices made on a validation split of the private training records.
-CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
+CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau", "posthoc-tau-noisy")
 
 CORE_FIELDS: tuple[Field, ...] = (
     # what to run
@@ -228,8 +228,9 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("chosen-on-private-data", "str", "", "What was chosen on a validation split of the private training "
           "records, comma-separated: 'hyper-parameters' (a search, e.g. dpdro tune), 'model' (the method or "
           "checkpoint kept for its validation metrics), 'posthoc-tau' (the post-hoc tau); not privacy-accounted, and "
-          "the summary's not_accounted lists each. dpdro tune writes it into the files it produces; computes "
-          "nothing.", role="privacy"),
+          "the summary's not_accounted lists each; 'posthoc-tau-noisy' (the post-hoc tau chosen from noisy counts, "
+          "dpdro lab tune --choose-posthoc-tau --selection-epsilon: private by itself, composed with the run's "
+          "epsilon). dpdro tune writes it into the files it produces; computes nothing.", role="privacy"),
     Field("eval-epsilon", "float", 0.1, "eval-data=nodes: the epsilon (at the run's delta) of each node evaluation "
           "on its own; all of them are part of the run's epsilon, training gets the rest. Expected error of a class's "
           "accuracy: docs explanation/privacy.", low=0.0, low_open=True, high=100.0, role="privacy"),

@@ -127,6 +127,9 @@ CHOSEN_ON_PRIVATE_TEXT = {
              "training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "
                    "(applying a tau is post-processing; choosing it on private records is not)",
+    "posthoc-tau-noisy": "post-hoc tau chosen on a validation split of the private training records from noisy "
+                         "per-class counts (server/private_selection.py; its epsilon is in the tuned file's comment): "
+                         "differentially private by itself and composed with, not included in, this run's epsilon",
 }
 
 

@@ -89,3 +89,19 @@ def test_a_run_evaluated_on_the_nodes(small_config):
     assert s["releases"]["eval-counts"] == 3 and s["epsilon_spent"] <= s["epsilon_target"]
     assert s["noise_multipliers"]["eval-counts"] == pytest.approx(ne.eval_noise_multiplier(0.5, s["delta"]))
     assert all(row["test_accuracy_se"] > 0 for row in private.metrics)
+
+
+def test_a_selection_on_private_counts_is_charged_and_listed():
+    from dpdro.common.config import Config
+    from dpdro.server.private_selection import choose_privately, selection_noise_multiplier
+    from dpdro.server.summary import not_accounted
+
+    good, bad = np.array([950.0, 900.0, 1000.0, 1000.0]), np.array([990.0, 500.0, 1000.0, 1000.0])
+    chosen, release = choose_privately([bad, good, bad], 1.0, 1e-6, np.random.default_rng(0))
+    assert chosen == 1 and 0.99 <= release.epsilon <= 1.0  # worst class 0.9 against 0.5, noise std ~ 0.01
+    assert release.z == pytest.approx(selection_noise_multiplier(3, 1.0, 1e-6))
+    assert release.z > ne.eval_noise_multiplier(1.0, 1e-6)  # three releases share the epsilon of one
+    assert epsilon_of({(1.0, release.z): 3}, 1e-6) == pytest.approx(release.epsilon)
+    cfg = Config.from_mapping({"chosen-on-private-data": "posthoc-tau-noisy"})
+    setup = type("Setup", (), {"prior_source": "private"})()
+    assert any("from noisy per-class counts" in line for line in not_accounted(cfg, setup))

@@ -1,7 +1,7 @@
 """White-box canary audit of the node evaluation's release (eval-data=nodes, server/node_evaluation.py): an empirical
 epsilon lower bound for one release of the per-class correct and total counts, and its negative control.
 
-    dpdro lab audit --mode canary   (section "Node evaluation" of docs/research/AUDIT.md)
+    dpdro lab audit --mode canary   (its own section of docs/research/AUDIT.md)
 
 Threat model and statistics as simulations/canary_audit.py (Nasr et al. 2021, 2023; Clopper-Pearson bounds over a
 threshold grid, Bonferroni): the auditor chooses the held-out records and the evaluated model. The model is
@@ -38,7 +38,7 @@ from torch import nn
 from ..common.config import Config
 from ..common.data import ArrayDataset
 from ..common.rng import secret_rng
-from .canary_audit import EpsilonBound, _ledger_class, claimed_epsilon, epsilon_lower_bound
+from .canary_audit import EpsilonBound, _ledger_class, claimed_epsilon, epsilon_lower_bound, write_section
 
 CLASSES = 1000  # K, canaries per release (one per class): the default of ``audit_node_evaluation``
 
@@ -150,7 +150,8 @@ def audit_node_evaluation(*, noise_multiplier: float = 2.0, releases: int = 200,
 
 def report_lines(rows: list[EvalAuditRow], command: str) -> list[str]:
     """The markdown section of the node evaluation audit: one table row per audit."""
-    lines = ["### Node evaluation (eval-data=nodes)", "", f"Command: `{command}`", "",
+    lines = [f"Command: `{command}` (simulations/eval_audit.py: {CLASSES} canaries per release, one per class; "
+             "claimed epsilon: one evaluation release at noise multiplier z, delta 1e-5)", "",
              "| noise mode | break | z | claimed epsilon | lower bound (95 %) | estimate | trials (canaries) | "
              "absent std | flagged |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -166,8 +167,11 @@ EVAL_PLAN: tuple[tuple[str, str | None], ...] = (("central", None), ("distribute
                                                  ("central", "noise-half"), ("distributed", "noise-half"))
 
 
-def run_eval_audit(trials: int = 200_000, plan=EVAL_PLAN) -> list[EvalAuditRow]:
-    """Every audit of ``plan`` with about ``trials`` trials each (ceil(trials / CLASSES) releases)."""
+def run_eval_audit(docs: Path, trials: int = 200_000, command: str = "dpdro lab audit --mode canary",
+                   plan=EVAL_PLAN) -> tuple[Path, list[EvalAuditRow]]:
+    """Every audit of ``plan`` with about ``trials`` trials each (ceil(trials / CLASSES) releases), written as the
+    'node-evaluation' section of ``docs``/AUDIT.md (the other sections are kept); returns (its path, the rows)."""
     releases = max(1, math.ceil(trials / CLASSES))
-    return [audit_node_evaluation(releases=releases, noise_mode=mode, broken=broken, clients=1 if mode == "central"
+    rows = [audit_node_evaluation(releases=releases, noise_mode=mode, broken=broken, clients=1 if mode == "central"
                                   else 3) for mode, broken in plan]
+    return write_section(docs / "AUDIT.md", "node-evaluation", report_lines(rows, command)), rows

@@ -64,8 +64,12 @@ def _canary(args: argparse.Namespace) -> int:
         print("\n".join(report_lines(rows, command, args.slots)[-len(rows):]), flush=True)
 
     path, rows = run_canary_audit(shared.docs_dir(args), slots=args.slots, trials=args.trials,
-                                  max_releases=args.max_releases, plan=plan, command=command, progress=progress,
-                                  node_evaluation=node_evaluation)
+                                  max_releases=args.max_releases, plan=plan, command=command, progress=progress)
+    if node_evaluation:  # the node evaluation's counts (eval-data=nodes), its own section
+        from dpdro.simulations.eval_audit import run_eval_audit
+
+        path, evals = run_eval_audit(shared.docs_dir(args), args.trials, command)
+        rows += evals
     print(f"wrote {path}")
     wrong = [r for r in rows if r.flagged != bool(r.broken)]
     for r in wrong:

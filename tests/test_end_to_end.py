@@ -20,7 +20,11 @@ pytestmark = pytest.mark.data
 
 
 def run_local(cfg, resume=False):
-    return train(cfg, LocalTransport(cfg, load_from_config(cfg, True)), load_from_config(cfg, False), resume=resume)
+    from dpdro.server.node_evaluation import evaluates_on_nodes
+
+    test = load_from_config(cfg, False)
+    held_out = test if evaluates_on_nodes(cfg) else None  # eval-data=nodes: the clients hold the evaluation records
+    return train(cfg, LocalTransport(cfg, load_from_config(cfg, True), held_out=held_out), test, resume=resume)
 
 
 def test_single_node_run_writes_run_directory(small_config):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,9 @@ def test_a_run_evaluated_on_the_nodes(small_config):
     assert s["releases"]["eval-counts"] == 3 and s["epsilon_spent"] <= s["epsilon_target"]
     assert s["noise_multipliers"]["eval-counts"] == pytest.approx(ne.eval_noise_multiplier(0.5, s["delta"]))
     assert all(row["test_accuracy_se"] > 0 for row in private.metrics)
+    assert s["eval_data"] == "nodes" and s["worst_class_accuracy_se"] > 0
+    card = (Path(small_config().out_dir) / "MODEL_CARD.md").read_text()
+    assert "Evaluated on the nodes' held-out records" in card
 
 
 def test_a_selection_on_private_counts_is_charged_and_listed():

@@ -1,4 +1,4 @@
-"""Selections on a validation split of the private records through noisy counts (issue 47 item 3): a post-hoc tau
+"""Selections on a validation split of the private records through noisy counts: a post-hoc tau
 or a checkpoint chosen among T candidates from the candidates' per-class correct and total counts released with
 Gaussian noise, the same release as the node evaluation (server/node_evaluation.py), accounted with dp-accounting.
 

@@ -1,6 +1,6 @@
 """Evaluation on the nodes (eval-data=nodes): the count vector's sensitivity, the calibrated eval noise, the
 metrics and standard errors from noisy counts, the plan's charge, and a run over the in-process transport whose
-noise-free node evaluation equals the server's (issue 47 item 2)."""
+noise-free node evaluation equals the server's."""
 
 from __future__ import annotations
 

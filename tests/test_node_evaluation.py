@@ -109,3 +109,24 @@ def test_a_selection_on_private_counts_is_charged_and_listed():
     cfg = Config.from_mapping({"chosen-on-private-data": "posthoc-tau-noisy"})
     setup = type("Setup", (), {"prior_source": "private"})()
     assert any("from noisy per-class counts" in line for line in not_accounted(cfg, setup))
+
+
+def test_posthoc_tau_from_noisy_counts_picks_the_clearly_better_tau(monkeypatch):
+    """simulations/posthoc_tau.scan_private: every (model, tau) pair's counts released together, the mean noisy
+    terms per tau; here tau 1 is far better on the worst class, so it wins at a loose selection epsilon."""
+    from types import SimpleNamespace
+
+    from dpdro.server import prediction
+    from dpdro.simulations.posthoc_tau import scan_private
+
+    labels = np.repeat(np.arange(2), 2000)
+
+    def fake(model, data, taus):
+        assert data == "validation"
+        worse = np.where(labels == 1, (np.arange(4000) % 2), labels)  # tau 0: class 1 half right
+        return [SimpleNamespace(predicted=worse if t == 0 else labels, labels=labels, scores=np.zeros((4000, 2)))
+                for t in taus]
+
+    monkeypatch.setattr(prediction, "predict_posthoc_taus", fake)
+    terms, spent = scan_private(["m1", "m2"], [0.0, 1.0], 4.0, 1e-5)
+    assert terms[1][0] > 0.9 > 0.6 > terms[0][0] and 0.99 * 4.0 <= spent <= 4.0

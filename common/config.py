@@ -84,7 +84,7 @@ def __getattr__(name: str) -> Any:
 
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 # The items of key chosen-on-private-data: choices made on a validation split of the private training records.
-CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
+CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau", "posthoc-tau-noisy")
 
 CORE_FIELDS: tuple[Field, ...] = (
     # what to run
@@ -137,6 +137,11 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("eval-split", "str", "test", "Split evaluated during and after training: 'test' (public) or "
           "'validation' (held-out training records, for tuning: their metrics are not privacy-accounted).",
           choices=("test", "validation"), role="data"),
+    Field("eval-data", "str", "auto", "Who evaluates: 'server' (the server's own records of eval-split, as "
+          "before), 'nodes' (each node evaluates the broadcast model on its own held-out records of eval-split and "
+          "returns per-class correct and total counts; the server releases their sum with Gaussian noise charged to "
+          "the run's epsilon: eval-epsilon), or 'auto': 'nodes' with partition=node-local (deployment), else "
+          "'server'. Docs: explanation/privacy.", choices=("auto", "server", "nodes"), role="data"),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
           low=1, high=10_000, role="data"),
     Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
@@ -230,8 +235,15 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("chosen-on-private-data", "str", "", "What was chosen on a validation split of the private training "
           "records, comma-separated: 'hyper-parameters' (a search, e.g. dpdro tune), 'model' (the method or "
           "checkpoint kept for its validation metrics), 'posthoc-tau' (the post-hoc tau); not privacy-accounted, and "
-          "the summary's not_accounted lists each. dpdro tune writes it into the files it produces; computes "
-          "nothing.", role="privacy"),
+          "the summary's not_accounted lists each; 'posthoc-tau-noisy' (the post-hoc tau chosen from noisy counts, "
+          "dpdro lab tune --choose-posthoc-tau --selection-epsilon: private by itself, composed with the run's "
+          "epsilon). dpdro tune writes it into the files it produces; computes nothing.", role="privacy"),
+    Field("eval-epsilon", "float", 0.1, "eval-data=nodes: the epsilon (at the run's delta) of each node evaluation "
+          "on its own; all of them are part of the run's epsilon, training gets the rest. Expected error of a class's "
+          "accuracy: docs explanation/privacy.", low=0.0, low_open=True, high=100.0, role="privacy"),
+    Field("eval-noise-multiplier", "float", 0.0, "eval-data=nodes: the noise multiplier of each node evaluation "
+          "instead of eval-epsilon (0: from eval-epsilon); noise std = multiplier x sqrt(2).", low=0.0,
+          role="privacy"),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1, role="data"),

@@ -27,6 +27,7 @@ from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConf
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
 from ..common.transport import Transport
+from . import node_evaluation
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
 from .convergence import rising_note, worst_slope
@@ -112,6 +113,9 @@ def evaluation_line(row: dict, split: str = "test") -> str:
     ``split``, the config's eval-split (the row's keys say test_* whichever split it is)."""
     eps = row["epsilon_spent"]
     eps_text = "inf (not private)" if eps == math.inf else f"{eps:.4f}"
+    if "test_accuracy_se" in row:  # eval-data=nodes: noisy counts, each figure with its standard error
+        return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
+            node_evaluation.metrics_text(row)
     return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
             f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
 
@@ -238,12 +242,17 @@ def _eval_row(run: TrainingRun) -> dict:
     algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory."""
     algo, releaser = run.plan.algo, run.releaser
     x, _ = algo.output(run.state)
-    metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, prediction_shift(run.cfg.training, run.setup))
-    losses = metrics.pop("losses")
-    if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
-        metrics.pop("eval_dro_objective")
+    shift = prediction_shift(run.cfg.training, run.setup)
+    if node_evaluation.evaluates_on_nodes(run.cfg):  # a charged release of the nodes' noisy counts
+        metrics = node_evaluation.evaluate_on_nodes(releaser, run.state.t, x, run.test.num_classes, shift)
+        extras = {}
+    else:
+        metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, shift)
+        extras = algo.eval_extras(run.state, metrics.pop("losses"))
+        if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
+            metrics.pop("eval_dro_objective")
     return {"iteration": run.state.t, "epsilon_spent": releaser.ledger.epsilon_spent(), **metrics,
-            **algo.eval_extras(run.state, losses), **algo.diagnostics(run.state),
+            **extras, **algo.diagnostics(run.state),
             **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
             "server_heap_mb": heap_mb()}
 

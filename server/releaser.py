@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..common.config import Config
+from ..common.eval_counts import EVAL_QUANTITY
 from ..common.faults import active_fault
 from ..common.messages import Query, Reply
 from ..common.rng import site_rng
@@ -117,6 +118,7 @@ class Releaser:
         """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
+        diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0

@@ -21,6 +21,7 @@ from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
+from . import node_evaluation
 from . import setup as setup_releases
 from .algorithms import Algorithm, make_algorithm
 from .allocation import allocate
@@ -80,7 +81,8 @@ def check_groups(cfg: Config, num_groups: int) -> None:
 def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
     """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
-    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles)}
+    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles),
+            **node_evaluation.mechanisms(cfg, delta)}  # eval-data=nodes: the evaluations, at fixed noise
     if cfg.private:
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
         noise = {m.name: m.noise_at(scale) for m in plan}

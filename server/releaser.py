@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..common.config import Config
+from ..common.eval_counts import EVAL_QUANTITY
 from ..common.faults import active_fault
 from ..common.messages import Query, Reply
 from ..common.rng import site_rng
-from ..common.transport import ClientFailure, Transport
+from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
 from .node_sampling import expected_count, sample_partitions
@@ -58,36 +59,45 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     clients asked to remain. With p = 1 every client is asked and nothing is drawn.
     """
     sampled = node_samples(cfg, transport, queries)
-    asked = (set().union(*sampled.values()) if sampled is not None
-             else set(getattr(transport, "partitions", range(transport.num_clients))))
-    for attempt in range(cfg.max_retries + 1):
-        tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
+    asked = set().union(*sampled.values()) if sampled is not None else set()
+    last: dict = {}  # the latest attempt: its queries and valid replies
+
+    def attempt(k: int) -> dict[int, str]:
+        tries = [dataclasses.replace(q, attempt=k) for q in queries]
         result = transport.run(tries, versions) if sampled is None else transport.run(tries, versions, sampled=sampled)
         failures = dict(result.failures)
         for q in tries:
             _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
             failures.update(rejected)
-        if not failures:
-            return result.replies
         for pid, reason in sorted(failures.items()):
-            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, attempt, pid, reason)
-        valid = {qid: [r for r in rs if r.partition not in failures] for qid, rs in result.replies.items()}
-        if sampled is None:
-            remaining, needed = transport.num_clients - len(failures), cfg.min_clients
-        else:
-            remaining, needed = len(asked - set(failures)), min(cfg.min_clients, len(asked))
-        if cfg.on_client_failure == "drop" and remaining >= needed:
-            log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
-            return valid
-        if on_discard is not None:
-            for q in tries:
-                if valid[q.qid]:
-                    on_discard(q, valid[q.qid])
-        if cfg.on_client_failure == "fail":
-            break
-    summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
-    raise ClientFailure(f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)}) failed "
-                        f"after {attempt + 1} attempt(s) with on-client-failure={cfg.on_client_failure}: {summary}")
+            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, k, pid, reason)
+        last.update(tries=tries, valid={qid: [r for r in rs if r.partition not in failures]
+                                        for qid, rs in result.replies.items()})
+        return {pid: f"client {pid}: {reason}" for pid, reason in failures.items()}
+
+    def discarded() -> None:
+        for q in last["tries"]:
+            if on_discard is not None and last["valid"][q.qid]:
+                on_discard(q, last["valid"][q.qid])
+
+    if sampled is None:
+        needed = cfg.min_clients
+
+        def remaining(failures: dict) -> int:
+            return transport.num_clients - len(failures)
+    else:  # node sampling: min(min-clients, nodes asked) of the nodes asked must remain
+        needed = min(cfg.min_clients, len(asked))
+
+        def remaining(failures: dict) -> int:
+            return len(asked - set(failures))
+
+    dropped = under_failure_policy(
+        attempt, policy=cfg.on_client_failure, max_retries=cfg.max_retries, min_clients=needed,
+        remaining=remaining, on_discard=discarded,
+        where=f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)})")
+    if dropped:
+        log.warning("releasing without client(s) %s (%d remain)", sorted(dropped), remaining(dropped))
+    return last["valid"]
 
 
 def node_samples(cfg: Config, transport: Transport, queries: Sequence[Query]) -> dict[str, frozenset[int]] | None:
@@ -126,7 +136,7 @@ class Releaser:
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
                                     ledger.node_rate)
         self.node_unit = cfg.privacy_unit == "node"
-        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.7)
+        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.8)
             self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
@@ -140,6 +150,7 @@ class Releaser:
         """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
+        diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
         count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
         if self.node_unit:  # no clipped-count coordinate; the release is charged at the node-sampling rate
             count_scale = 0.0

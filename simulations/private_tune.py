@@ -114,19 +114,22 @@ def private_dir(root: Path, dataset: str, epsilon: float, method: str) -> Path:
     return tune.search_dir(root, dataset, epsilon) / "private" / method
 
 
-def _trial_cfg(dataset: str, epsilon: float, method: str, point: dict, out_dir: Path, seed: int) -> Config:
+def _trial_cfg(dataset: str, epsilon: float, method: str, point: dict, out_dir: Path, seed: int,
+               trial_keys: dict | None = None) -> Config:
+    """A trial's configuration (tune.trial_config) with ``trial_keys`` (e.g. iterations) over it, evaluated once."""
     cfg = tune.trial_config(dataset, epsilon, method, point, out_dir, seed)
+    cfg = cfg.with_updates(dict(trial_keys or {}))
     return cfg.with_updates({"eval-every": cfg.iterations})  # one evaluation, at the end
 
 
 def declared_curve(dataset: str, epsilon: float, method: str, seed: int, score_noise: float, plan_fn: PlanFn,
-                   root: Path) -> tuple[np.ndarray, float]:
+                   root: Path, trial_keys: dict | None = None) -> tuple[np.ndarray, float]:
     """(per-trial RDP curve at private_selection.ORDERS, delta): the pointwise maximum over the plans of the first
     ``REFERENCE_POINTS`` seeded points plus the score release. ConfigError when their deltas differ."""
     curves, deltas = [], set()
     for i in range(REFERENCE_POINTS):
         cfg = _trial_cfg(dataset, epsilon, method, random_point(method, dataset, seed, i),
-                         private_dir(root, dataset, epsilon, method) / "reference", 0)
+                         private_dir(root, dataset, epsilon, method) / "reference", 0, trial_keys)
         plan = plan_fn(cfg)
         counts = plan_counts(plan) + score_counts(score_noise)
         curves.append(rdp_curve(counts))
@@ -138,11 +141,14 @@ def declared_curve(dataset: str, epsilon: float, method: str, seed: int, score_n
 
 def run_private_search(dataset: str, epsilon: float, method: str, dist: TrialCount, root: Path, plan_fn: PlanFn,
                        seed: int = 0, score_noise: float = DEFAULT_SCORE_NOISE,
-                       rng: np.random.Generator | None = None, train_fn=None) -> dict:
+                       rng: np.random.Generator | None = None, train_fn=None,
+                       trial_keys: dict | None = None) -> dict:
     """One method's private search (module docstring); returns released.json's dict plus 'record' (the path of
     the operator's search.json). ``rng``: the secret generator of K and of the score noise (default: seeded from
     the operating system; tests pass their own). ``train_fn``: tune.train_trial (tests replace it). Raises
-    ConfigError before any trial when the folder holds a search already or a parameter is out of range."""
+    ConfigError before any trial when the folder holds a search already or a parameter is out of range.
+    ``trial_keys``: config keys set in every trial over the search's own (e.g. iterations for a short search;
+    not searched keys: data-independent, so the bound is unchanged)."""
     from ..server.rundir import write_json
 
     score_counts(score_noise)  # checks it before any work
@@ -154,13 +160,16 @@ def run_private_search(dataset: str, epsilon: float, method: str, dist: TrialCou
                           "budget on top; use another --root")
     train_fn = train_fn or tune.train_trial
     rng = rng if rng is not None else np.random.default_rng()  # secret: OS entropy, never saved
-    curve, delta = declared_curve(dataset, epsilon, method, seed, score_noise, plan_fn, root)
+    clash = sorted(set(trial_keys or {}) & set(tune.space(method, dataset)))
+    if clash:
+        raise ConfigError(f"--trial-keys: {', '.join(clash)} are searched keys of {method}; allowed: other keys")
+    curve, delta = declared_curve(dataset, epsilon, method, seed, score_noise, plan_fn, root, trial_keys)
     privacy = search_privacy(dist, curve, delta)
     k = dist.draw(rng)
     trials, best = [], None
     for i in range(k):
         point = random_point(method, dataset, seed, i)
-        cfg = _trial_cfg(dataset, epsilon, method, point, folder / f"trial{i:02d}", i)
+        cfg = _trial_cfg(dataset, epsilon, method, point, folder / f"trial{i:02d}", i, trial_keys)
         planned = plan_counts(plan_fn(cfg)) + score_counts(score_noise)
         if not dominated(planned, curve):
             log.info("trial %d: its plan exceeds the declared per-trial curve; not run", i)
@@ -175,6 +184,7 @@ def run_private_search(dataset: str, epsilon: float, method: str, dist: TrialCou
             best = (trials[-1], score)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "search.json", {"method": method, "dataset": dataset, "epsilon_per_trial": epsilon,
+                                        "trial_keys": dict(trial_keys or {}),
                                         "seed": seed, "score_noise_multiplier": score_noise, "trials_drawn": k,
                                         "trials": trials, **privacy,
                                         "note": "the operator's record: K and the other trials' scores are not "

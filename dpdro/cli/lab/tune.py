@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--score-noise-multiplier", type=float, default=10.0, metavar="Z",
                    help="noise multiplier of each trial's score: per-class correct and total counts + N(0, (Z "
                         "sqrt 2)^2) (default 10)")
+    g.add_argument("--trial-keys", nargs="*", metavar="KEY=VALUE", default=[],
+                   help="config keys set in every trial (not searched keys), e.g. iterations=100 for a short search")
     p.set_defaults(all_datasets=DATASETS)
 
 
@@ -186,7 +188,7 @@ def _private(args: argparse.Namespace) -> int:
     dist = trial_count(args)
     for ds in args.dataset:
         out = run_private_search(ds, args.epsilon, args.methods[0], dist, Path(args.root), privacy_plan, args.seed,
-                                 args.score_noise_multiplier)
+                                 args.score_noise_multiplier, trial_keys=parse_set_args(args.trial_keys or []))
         best = out["best"]
         print(f"{ds} {args.methods[0]}: private search ({dist.describe()}), per-trial epsilon {args.epsilon:g}: "
               f"epsilon_total {out['epsilon_total']:.4f} at delta {out['delta']:.3g} ({out['theorem']})")

@@ -27,7 +27,8 @@ Files, under <root>/<dataset>/eps<e>/private/<method>/:
 - search.json the operator's record (K, every trial's noisy score): publishing it is outside the guarantee;
 - released.json what may be published: the best trial's keys, its noisy score, epsilon_total, delta, the theorem.
 The best trial's summary.json gets a ``private_search`` block and its MODEL_CARD.md a section stating
-epsilon_total. A second search on the same folder is refused: every search spends its own budget.
+epsilon_total. A second search on the same folder is refused, also after an interrupted one (there is no resuming:
+K and the trials already run would be redrawn, and every search spends its own budget).
 """
 
 from __future__ import annotations
@@ -155,9 +156,9 @@ def run_private_search(dataset: str, epsilon: float, method: str, dist: TrialCou
     if method not in tune.SPACES:
         raise ConfigError(f"--methods: got {method!r}; allowed: {', '.join(tune.SPACES)}")
     folder = private_dir(root, dataset, epsilon, method)
-    if (folder / "search.json").exists():
-        raise ConfigError(f"{folder / 'search.json'} records a private search already: a second one spends its own "
-                          "budget on top; use another --root")
+    if folder.exists() and any(folder.iterdir()):
+        raise ConfigError(f"{folder} holds a private search already (finished, or interrupted: its trials spent "
+                          "their budget all the same): a second one spends its own budget on top; use another --root")
     train_fn = train_fn or tune.train_trial
     rng = rng if rng is not None else np.random.default_rng()  # secret: OS entropy, never saved
     clash = sorted(set(trial_keys or {}) & set(tune.space(method, dataset)))

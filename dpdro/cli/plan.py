@@ -98,6 +98,11 @@ def search_plan(plan: dict, distribution: str, eta: float, gamma: float, mu: flo
 
 def run(args: argparse.Namespace) -> int:
     cfg = shared.config_from_args(args)  # a configuration error answers before torch is imported
+    if args.private_search:  # the search's parameters too, before the data are loaded
+        from dpdro.server.private_selection import TrialCount, score_counts
+
+        TrialCount(args.distribution, eta=args.eta, gamma=args.gamma, mu=args.mu)
+        score_counts(args.score_noise_multiplier)
     p = privacy_plan(cfg)
     if args.private_search:
         p["private_search"] = search_plan(p, args.distribution, args.eta, args.gamma, args.mu,

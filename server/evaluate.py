@@ -1,7 +1,7 @@
 """The run's evaluation: accuracy, per-class and worst-class accuracy, mean loss and the exact DRO objective F(x)
-of the run's psi (ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the released
-iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records) not
-private, and the summary's not_accounted says so."""
+of the run's psi (docs/explanation/ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the
+released iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records)
+not private, and the summary's not_accounted says so."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives, and
     eval_class_correct / eval_class_total (K ints each: correct predictions and records per class; the noisy
-    score of a private search releases them, server/private_selection.py). With group
+    score of a private search releases them, server/private_tuning.py). With group
     labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups). ``objective``: what
     holds the DRO objective's keys psi, cvar_alpha and lambda_ (a Config's ``training`` section).
 

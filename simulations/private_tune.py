@@ -3,7 +3,7 @@
     dpdro lab tune --private --dataset mnist-st --epsilon 4 --methods dp-sgd [--distribution tnb --eta 1
                    --gamma 0.1 | --distribution poisson --mu 10] [--score-noise-multiplier 10]
 
-The private selection of Papernot and Steinke (ICLR 2022; server/private_selection.py for the bound). Per method:
+The private selection of Papernot and Steinke (ICLR 2022; server/private_tuning.py for the bound). Per method:
 
 1. The number of trials K is drawn from the chosen distribution (truncated negative binomial D_{eta, gamma} or
    Poisson(mu)) with a generator seeded from the operating system: K is secret and is never released.
@@ -12,7 +12,7 @@ The private selection of Papernot and Steinke (ICLR 2022; server/private_selecti
    bound covers) and is a full private run at the per-trial target epsilon on the training split minus the
    validation split (``tune.trial_config``), evaluated once, at its end, on the validation split.
 3. Its score is a charged release: the per-class correct and total counts on the validation records with Gaussian
-   noise (``private_selection.noisy_worst_class``, sensitivity sqrt 2), the noisy worst-class accuracy.
+   noise (``private_tuning.noisy_worst_class``, sensitivity sqrt 2), the noisy worst-class accuracy.
 4. Only the trial with the highest noisy score is released (K = 0 under Poisson: nothing).
 
 The per-trial RDP curve is declared before any trial runs, from the plans (server/run_plan.py, via ``plan_fn``) of the
@@ -45,7 +45,7 @@ from ..common.algorithm_specs import Choice, FloatRange, IntRange, SearchDimensi
 from ..common.atomic import atomic_write_bytes
 from ..common.config import Config, ConfigError
 from ..common.rng import derived_rng
-from ..server.private_selection import TrialCount, dominated, noisy_worst_class, rdp_curve, score_counts, search_privacy
+from ..server.private_tuning import TrialCount, dominated, noisy_worst_class, rdp_curve, score_counts, search_privacy
 from . import tune
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _trial_cfg(dataset: str, epsilon: float, method: str, point: dict, out_dir: 
 
 def declared_curve(dataset: str, epsilon: float, method: str, seed: int, score_noise: float, plan_fn: PlanFn,
                    root: Path, trial_keys: dict | None = None) -> tuple[np.ndarray, float]:
-    """(per-trial RDP curve at private_selection.ORDERS, delta): the pointwise maximum over the plans of the first
+    """(per-trial RDP curve at private_tuning.ORDERS, delta): the pointwise maximum over the plans of the first
     ``REFERENCE_POINTS`` seeded points plus the score release. ConfigError when their deltas differ."""
     curves, deltas = [], set()
     for i in range(REFERENCE_POINTS):

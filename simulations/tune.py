@@ -752,7 +752,7 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
              "accuracy. Each method's best complete trials are trained again on more seeds and the best mean "
              "score wins. The test split is never used here. **The search is not privacy-accounted**: it reads "
              "noiseless validation metrics of private training records (the accounted search is `dpdro lab tune "
-             "--private`, docs/explanation/ALGORITHMS.md 5.6). Levers of every method: step size, "
+             "--private`, docs/explanation/ALGORITHMS.md 5.7). Levers of every method: step size, "
              "refresh batch, post-hoc and training logit adjustment (dp-sgd: training tau 0), and its own keys "
              "(`common/algorithm_specs.py`). Shared keys: "
              + ", ".join(f"{k}={v}" for k, v in sorted(BASE.items())) + "; per data set: "

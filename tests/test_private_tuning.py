@@ -1,4 +1,4 @@
-"""The private search's bound (server/private_selection.py) against an independent computation of Papernot and
+"""The private search's bound (server/private_tuning.py) against an independent computation of Papernot and
 Steinke's statements (ICLR 2022, Theorems 2 and 6), and a small private search (simulations/private_tune.py) whose
 events, summed from its trials' summaries, give the same epsilon_total."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dpdro.common.config import ConfigError
-from dpdro.server import private_selection as ps
+from dpdro.server import private_tuning as ps
 from dpdro.simulations import private_tune
 
 DELTA = 1e-5

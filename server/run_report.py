@@ -261,6 +261,11 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
             lines.append(f"- Epsilon against the server itself: {_fmt_eps(summary['epsilon_against_server'])}")
     else:
         lines.append("- **NOT PRIVATE**: epsilon = inf, no clipping and no noise.")
+    search = summary.get("private_search")
+    if search:  # the model was released by a private hyper-parameter search (simulations/private_tune.py)
+        lines.append(f"- Released by a private hyper-parameter search ({search['theorem']}): epsilon_total = "
+                     f"{_fmt_eps(search['epsilon_total'])} at delta {search['delta']:.3g} covers the whole search "
+                     "(every trial's training and noisy score, and the choice of this model)")
     lines += ["- Not accounted:"] + [f"  - {item}" for item in summary["not_accounted"]]
     lines += ["", f"## Results on the {split} split", "",
               f"- Accuracy {summary['test_accuracy']:.4f}, worst-class accuracy {summary['worst_class_accuracy']:.4f}"

@@ -1,12 +1,15 @@
 """``dpdro plan``: the run plan of a configuration without training (``server.run_plan.RunPlan``): the model, the
 problem, every release kind with its count, sampling rate and calibrated noise multiplier, delta, and the planned
-epsilon under both accountants."""
+epsilon under both accountants; with --private-search, the epsilon_total of a private hyper-parameter search
+whose trials are this configuration (server/private_tuning.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import textwrap
+
+from dpdro.common.config import ConfigError
 
 from . import shared
 
@@ -18,6 +21,17 @@ HELP = ("print the run plan of a configuration without training: model, problem,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_config_arguments(p, overwrite=False)
     shared.add_format_argument(p)
+    g = p.add_argument_group("private search (dpdro lab tune --private)")
+    g.add_argument("--private-search", action="store_true",
+                   help="also print epsilon_total of a private search (Papernot and Steinke 2022) whose every trial "
+                        "is this configuration plus its noisy score")
+    g.add_argument("--distribution", choices=("tnb", "poisson"), default="tnb",
+                   help="law of the number of trials: truncated negative binomial (--eta, --gamma) or Poisson (--mu)")
+    g.add_argument("--eta", type=float, default=1.0, help="tnb's eta > -1 (default 1)")
+    g.add_argument("--gamma", type=float, default=0.1, help="tnb's gamma in (0, 1) (default 0.1)")
+    g.add_argument("--mu", type=float, default=10.0, help="Poisson's mean (default 10)")
+    g.add_argument("--score-noise-multiplier", type=float, default=10.0, metavar="Z",
+                   help="noise multiplier of each trial's noisy score (default 10)")
 
 
 def privacy_plan(cfg) -> dict:
@@ -43,9 +57,34 @@ def privacy_plan(cfg) -> dict:
     return describe_plan(plan)
 
 
+def search_plan(plan: dict, distribution: str, eta: float, gamma: float, mu: float, score_noise: float) -> dict:
+    """epsilon_total (and the rest of ``private_tuning.search_epsilon``) of a private search whose trials each
+    spend ``plan``'s releases plus one noisy score at ``score_noise``, at the plan's delta. ConfigError for a
+    non-private plan or a bad parameter."""
+    from dpdro.server.private_tuning import TrialCount, score_counts, search_epsilon
+
+    if plan["planned_epsilon"] is None:
+        raise ConfigError("--private-search: the configuration is not private (epsilon = inf); allowed: a finite "
+                          "epsilon")
+    dist = TrialCount(distribution, eta=eta, gamma=gamma, mu=mu)
+    counts = score_counts(score_noise)
+    for r in plan["releases"]:
+        counts[(r["sampling_rate"], r["noise_multiplier"])] += r["count"]
+    return {**search_epsilon(dist, counts, plan["delta"]), "score_noise_multiplier": score_noise,
+            "describe": dist.describe()}
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = shared.config_from_args(args)  # a configuration error answers before torch is imported
+    if args.private_search:  # the search's parameters too, before the data are loaded
+        from dpdro.server.private_tuning import TrialCount, score_counts
+
+        TrialCount(args.distribution, eta=args.eta, gamma=args.gamma, mu=args.mu)
+        score_counts(args.score_noise_multiplier)
     p = privacy_plan(cfg)
+    if args.private_search:
+        p["private_search"] = search_plan(p, args.distribution, args.eta, args.gamma, args.mu,
+                                          args.score_noise_multiplier)
     if args.format == "json":
         shared.print_json(p)
         return 0
@@ -65,4 +104,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['name']:<16}{r['count']:>7}{r['sampling_rate']:>15.4g}{r['noise_multiplier']:>18.4f}")
     if p["planned_epsilon"] is not None:
         print("planned epsilon: " + ", ".join(f"{acc} {eps:.4f}" for acc, eps in p["planned_epsilon"].items()))
+    if "private_search" in p:
+        s = p["private_search"]
+        print(f"private search, {s['describe']}, each trial this plan plus a noisy score (noise multiplier "
+              f"{s['score_noise_multiplier']:g}; per trial rdp {s['epsilon_per_trial_rdp']:.4f}): epsilon_total "
+              f"{s['epsilon_total']:.4f} at delta {s['delta']:.3g} ({s['theorem']}, order {s['order']:g})")
     return 0

@@ -297,13 +297,13 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("node-sampling-rate", "float", 1.0, "Node sampling rate p: each release asks a Poisson sample of the "
           "nodes, each independently with probability p (a fresh sample per release; 1: every node). With "
           "privacy-unit=record a record is then included with probability p x its record rate; the ledger charges "
-          "each release as the revealed mixture of its record-level event (ALGORITHMS.md 5.7). noise-mode=distributed "
+          "each release as the revealed mixture of its record-level event (ALGORITHMS.md 5.8). noise-mode=distributed "
           "needs 1.", low=0.0, low_open=True, high=1.0, role="privacy"),
     Field("privacy-unit", "str", "record", "The unit of privacy: 'record' (one record replaced with the null "
           "record) or 'node' (one node's whole data: each node's contribution, the mean of its clipped per-record "
           "vectors over its whole shard, is clipped to the clip norm as one vector; Poisson node sampling at "
           "node-sampling-rate over the nodes, delta 'auto' = 1/(10 num-clients); needs node-sampling-rate x "
-          "num-clients >= 10; ALGORITHMS.md 5.8).", choices=("record", "node"), role="privacy"),
+          "num-clients >= 10; ALGORITHMS.md 5.9).", choices=("record", "node"), role="privacy"),
     Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
           choices=("poisson", "fixed-size"), role="privacy"),

@@ -37,7 +37,7 @@ against a direct integration of the hockey-stick divergence of that pair.
   ledger of what someone has already seen (the server's own view, server/releaser.py).
 - Runs of identical events are composed as SelfComposedDpEvent(event, count), so the cost of an epsilon
   evaluation grows with the number of distinct mechanisms, not with the number of iterations.
-- Node sampling (config key node-sampling-rate p < 1; server/node_sampling.py, ALGORITHMS.md 5.7): every release of
+- Node sampling (config key node-sampling-rate p < 1; server/node_sampling.py, ALGORITHMS.md 5.8): every release of
   the run is the revealed mixture of its event with probability p (``node_rate`` of ``epsilon_of``, ``calibrate`` and
   ``Ledger``): PLD (1 - p) delta_0 + p PLD, RDP log(1 - p + p e^{(a-1) D_a}) / (a - 1). p = 1 is the event itself.
 """

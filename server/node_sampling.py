@@ -7,7 +7,7 @@ is asked with probability p, independently of every other node and of every othe
 simulation ask the same nodes when reproducible). A retry of a release asks the same sample again. p = 1 asks
 every node and draws nothing: runs are bit-identical to runs made before the key existed.
 
-Record-level accounting (``privacy-unit = record``; ALGORITHMS.md 5.7). A record is included in a release when its
+Record-level accounting (``privacy-unit = record``; ALGORITHMS.md 5.8). A record is included in a release when its
 node is sampled (p) and then the record itself (its node's Poisson sampling at rate r): with probability p r. The
 release is *not* a Poisson-subsampled Gaussian at rate p r: the other records of the record's node are included
 together with it, so their sum can reveal whether the node was sampled. The dominating pair of one release is the
@@ -19,7 +19,7 @@ release is that pair post-processed) and the bound is attained in the limit of a
 from the rest. So the ledger charges every node-sampled release at (p, r, z) with that event: never less than Poisson
 sampling at rate r alone (p = 1), never the (smaller, unsound) Poisson sampling at rate p r.
 
-Node-level accounting (``privacy-unit = node``; ALGORITHMS.md 5.8). The unit is a node: its whole contribution to a
+Node-level accounting (``privacy-unit = node``; ALGORITHMS.md 5.9). The unit is a node: its whole contribution to a
 release (the sum of its records' clipped vectors divided by its record count, a mean over its shard) is clipped to C
 as one vector (``client.worker.node_contribution``), noise N(0, (z C)^2) is added to the sum over the sampled nodes,
 and the release is PoissonSampledDpEvent(p, GaussianDpEvent(z)) over the m nodes (replace one node's data with the

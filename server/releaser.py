@@ -136,7 +136,7 @@ class Releaser:
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
                                     ledger.node_rate)
         self.node_unit = cfg.privacy_unit == "node"
-        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.8)
+        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.9)
             self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum

@@ -63,7 +63,7 @@ def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
 def resolve_delta(cfg: Config, n: int) -> float:
     """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; docs/explanation/ALGORITHMS.md 5.1). In a private
     run, raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
-    if cfg.privacy_unit == "node":  # the unit is a node: delta against the m nodes (ALGORITHMS.md 5.8)
+    if cfg.privacy_unit == "node":  # the unit is a node: delta against the m nodes (ALGORITHMS.md 5.9)
         n = cfg.num_clients
     delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
     if cfg.private:

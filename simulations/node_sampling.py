@@ -1,11 +1,11 @@
-"""Node sampling (config key node-sampling-rate; server/node_sampling.py, ALGORITHMS.md 5.7): the figures of the design
+"""Node sampling (config key node-sampling-rate; server/node_sampling.py, ALGORITHMS.md 5.8): the figures of the design
 note, printed by this script (a benchmark: ratios and epsilons, not a timed test).
 
-  python -m dpdro.simulations.node_sampling epsilon   # the epsilon table of ALGORITHMS.md 5.7
+  python -m dpdro.simulations.node_sampling epsilon   # the epsilon table of ALGORITHMS.md 5.8
   python -m dpdro.simulations.node_sampling round     # a round of 1,000 nodes at p = 0.03 / 30 nodes all asked
 
 ``epsilon``: the ledger's epsilon of T node-sampled releases (the revealed mixture) against Poisson sampling at rate
-p r (what a product-of-rates argument would charge; unsound, ALGORITHMS.md 5.7) and at rate r alone (node sampling
+p r (what a product-of-rates argument would charge; unsound, ALGORITHMS.md 5.8) and at rate r alone (node sampling
 ignored), all with dp-accounting's PLD.
 
 ``round``: the in-process transport (client/local_transport.py) with synthetic records of MNIST's shape, 20 records

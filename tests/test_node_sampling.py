@@ -1,5 +1,5 @@
 """Node sampling (config key node-sampling-rate) and privacy-unit=node (server/node_sampling.py, ALGORITHMS.md
-5.7-5.8): the ledger's accounting of a node-sampled release against independent computations, why it is not
+5.8-5.9): the ledger's accounting of a node-sampled release against independent computations, why it is not
 Poisson sampling at rate p r, the seeded sample, the releaser's divisor and the checks made before any work."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _hockey_stick(mu, mu_prime, eps, lo=-40.0, hi=80.0):
 
 
 def test_a_node_whose_other_records_stand_apart_breaks_poisson_sampling_at_p_times_r():
-    """Why the ledger does not charge Poisson sampling at rate p r (ALGORITHMS.md 5.7): a record y (norm 1) whose
+    """Why the ledger does not charge Poisson sampling at rate p r (ALGORITHMS.md 5.8): a record y (norm 1) whose
     node's other sampled records sum to t = 30 noise stds, replaced with the null record. Output densities (sigma 1,
     the rest of the data at 0): (1 - p) N(0) + p [(1 - r) N(t) + r N(t + 1)] against (1 - p) N(0) + p N(t). By direct
     integration its delta at epsilon 1 is p times the record-level one (the revealed mixture's), far above what

@@ -28,11 +28,11 @@ def privacy_plan(cfg) -> dict:
     from dpdro.common.data import load_from_config
     from dpdro.common.model_init import prepare_model
     from dpdro.common.models import make_model, resolve_model
+    from dpdro.common.noise_modes import noise_mode
     from dpdro.common.per_sample import FlatModel
     from dpdro.server.algorithms import make_algorithm
     from dpdro.server.engine import check_groups, check_records, follow_n, plan_run, resolve_delta
     from dpdro.server.ledger import epsilon_of
-    from dpdro.server.release import check_distributed
 
     train_set = load_from_config(cfg, train=True)
     check_groups(cfg, train_set.num_groups)
@@ -47,8 +47,8 @@ def privacy_plan(cfg) -> dict:
     delta = resolve_delta(cfg, n)
     plan, noise, _ = plan_run(cfg, make_algorithm(cfg, n, dim, train_set.num_classes, train_set.num_groups), n,
                               delta)
-    if cfg.private and cfg.noise_mode == "distributed":
-        for warning in check_distributed(cfg, noise, transport.largest_shard):
+    if cfg.private:
+        for warning in noise_mode(cfg.noise_mode).check(cfg, noise, transport.largest_shard):
             logging.getLogger(__name__).warning("%s", warning)
     planned = None
     if cfg.private:

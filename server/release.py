@@ -41,6 +41,7 @@ from ..common.noise_modes import (  # noqa: F401 - the SecAgg+ grid and m_min, r
     noise_mode,
     secagg_grid,
 )
+from ..common.rng import gaussian_noise
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +183,12 @@ def check_distributed(cfg: Config, noise: Mapping[str, float], largest_shard: in
     return NOISE_MODES["distributed"].check(cfg, noise, largest_shard)
 
 
-def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator) -> np.ndarray:
+def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator, *,
+               secure: bool = False) -> np.ndarray:
     """(total + N(0, noise_std^2 I)) / (rate n): the released mean. noise_std = 0 adds no noise (non-private
-    runs, local mode, or distributed mode with every share present)."""
+    runs, local mode, or distributed mode with every share present). ``secure`` (config key secure-noise): the
+    noise comes from ``common.rng.secure_gaussian`` (OS CSPRNG, sum of 4 draws) instead of ``rng``."""
     out = np.array(total, dtype=np.float64)
     if noise_std > 0:
-        out += rng.normal(0.0, noise_std, size=out.shape)
+        out += gaussian_noise(noise_std, out.shape, rng, secure=secure)
     return out / (query.rate * n)

@@ -139,7 +139,7 @@ class Releaser:
             mode, trusted = self.mode.name, self.mode.trusts_server
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
             std = self.mode.server_noise_std(z, self.noise_sensitivity(q), self.shares, clients)
-            mean = noisy_mean(q, total, std, self.n, rng)
+            mean = noisy_mean(q, total, std, self.n, rng, secure=self.cfg.secure_noise)
             expected = q.rate * self.n
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,

@@ -98,9 +98,13 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     out += noise_mode(cfg.noise_mode).not_accounted() if cfg.private else []
     # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
     # client) keeps them the same in neighbouring data sets (server/ledger.py)
-    if cfg.private:  # assumptions every private run makes (docs/explanation/privacy.md)
+    if cfg.private and cfg.secure_noise:  # assumptions every private run makes (docs/explanation/privacy.md)
+        out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; with secure-noise=true the "
+                "noise is the sum of 4 draws built of OS CSPRNG bytes (Opacus' secure_mode; Holohan and Braghin 2021), "
+                "which resists the floating-point attacks of Mironov 2012 but is not an exact Gaussian either"]
+    elif cfg.private:
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
-                "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
+                "against floating-point attacks on the Gaussian mechanism (Mironov 2012) unless secure-noise=true"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
     if "hyper-parameters" not in cfg.chosen_on_private:
         out.append("hyper-parameters: not privacy-accounted (if you chose them on the private records, that choice "

@@ -80,3 +80,20 @@ def test_secure_noise_is_refused_with_reproducible_and_reported():
     plain = not_accounted(Config.from_mapping({}), Setup())
     assert any("sum of 4 draws built of OS CSPRNG bytes" in line for line in secure)
     assert any("does not protect against floating-point attacks" in line for line in plain)
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_run_with_secure_noise(small_config, tmp_path, mode):
+    """A small private run with secure-noise=true (the server's draws in central mode, the clients' in local mode)
+    spends its target like any run and says what the secure sampler covers."""
+    from dpdro.client.local_transport import LocalTransport
+    from dpdro.common.data import load_from_config
+    from dpdro.server.engine import train
+
+    cfg = small_config(out_dir=str(tmp_path / mode), noise_mode=mode, algorithm="dp-sgd", secure_noise=True,
+                       reproducible=False, reproducible_for_testing=False)
+    s = train(cfg, LocalTransport(cfg, load_from_config(cfg, True)), load_from_config(cfg, False)).summary
+    assert s["private"] and 0.99 * 4 <= s["epsilon_spent"] <= 4
+    assert any("sum of 4 draws built of OS CSPRNG bytes" in line for line in s["not_accounted"])
+    assert math.isfinite(s["test_accuracy"])

@@ -1,7 +1,7 @@
 """The run's evaluation: accuracy, per-class and worst-class accuracy, mean loss and the exact DRO objective F(x)
-of the run's psi (ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the released
-iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records) not
-private, and the summary's not_accounted says so."""
+of the run's psi (docs/explanation/ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the
+released iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records)
+not private, and the summary's not_accounted says so."""
 
 from __future__ import annotations
 

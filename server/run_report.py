@@ -268,6 +268,10 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
               f"- Accuracy {summary['test_accuracy']:.4f}, worst-class accuracy {summary['worst_class_accuracy']:.4f}"
               + (f", worst-group accuracy {summary['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in summary
                  else ""),
+              *([f"- Evaluated on the nodes' held-out records (eval-data=nodes): figures from noisy per-class counts "
+                 f"charged to the run's epsilon; standard errors: accuracy {summary['test_accuracy_se']:.4f}, "
+                 f"worst-class accuracy {summary['worst_class_accuracy_se']:.4f}"]
+                if "test_accuracy_se" in summary else []),
               *([f"- Still rising: {summary['worst_still_rising']}"] if summary.get("worst_still_rising") else []),
               "", "| class | accuracy |", "|---|---|"]
     lines += [f"| {c} | {'n/a' if a is None or (isinstance(a, float) and math.isnan(a)) else f'{a:.4f}'} |"

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --choose-posthoc-tau: validation models per method, seeds 1..N (default 1)")
     p.add_argument("--min-accuracy", type=float, default=0.0, metavar="A",
                    help="with --choose-posthoc-tau: choose only among taus with mean validation accuracy >= A")
+    p.add_argument("--selection-epsilon", type=float, default=None, metavar="E",
+                   help="with --choose-posthoc-tau: choose from noisy per-class counts spending epsilon E per method "
+                        "(server/private_selection.py); default: noiseless, not accounted")
     p.set_defaults(all_datasets=DATASETS)
 
 
@@ -115,7 +118,7 @@ def _posthoc_tau(args: argparse.Namespace, root: Path, configs: Path) -> int:
     grid = tuple(args.tau_grid) if args.tau_grid else TAU_GRID
     for ds in args.dataset:
         choices = choose_posthoc_tau(ds, args.epsilon, args.methods, root, configs, grid, args.tau_seeds,
-                                     args.jobs, args.min_accuracy)
+                                     args.jobs, args.min_accuracy, args.selection_epsilon)
         for c in choices.values():
             was = (f"{c.previous:g} (worst {c.previous_terms[0]:.4f}, two lowest {c.previous_terms[1]:.4f}, "
                    f"accuracy {c.previous_terms[2]:.4f})")

@@ -185,7 +185,7 @@ class ShardWorker:
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
-            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         return Reply(query.qid, self.partition, out, count)
 

@@ -25,7 +25,7 @@ from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
-from ..common.rng import site_rng
+from ..common.rng import gaussian_noise, site_rng
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,8 @@ class ShardWorker:
         """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
         with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
-        local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible)
+        local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible, or
+        with config key secure-noise built of OS CSPRNG bytes, ``common.rng.secure_gaussian``)
         and reports no count (-1): the server is not trusted with it. ``versions`` maps the query's model version
         ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
@@ -160,7 +161,7 @@ class ShardWorker:
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
-            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         if fault == "nan":
             out[:] = np.nan
@@ -184,7 +185,7 @@ class ShardWorker:
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
-            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         return Reply(query.qid, self.partition, out, count)
 

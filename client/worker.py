@@ -133,9 +133,9 @@ class ShardWorker:
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
         with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
         local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible)
-        and reports no count (-1). A ``query.count_only`` query's reply is (1,): the number of sampled records whose
-        vector was not scaled down by the clip: the server is not trusted with it. ``versions`` maps the query's model version
-        ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
+        and reports no count (-1): the server is not trusted with it. A ``query.count_only`` query's reply is (1,):
+        the number of sampled records whose vector was not scaled down by ``query.clip``. ``versions`` maps the
+        query's model version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
         idx = self.sample(query)
         fn, flats, problem, groups = self._inputs(query, versions)

@@ -358,8 +358,9 @@ def _check_recursive_spider(values: Mapping[str, Any]) -> None:
     if values["dro-level"] == "record":
         for key, default in (("x-estimator", "spider"), ("clip-diff-rule", "fixed")):
             if values[key] != default:
-                raise ValueError(f"config key {key!r}: got {values[key]!r} with recursive-spider at dro-level='record'; "
-                                 f"allowed: {default!r} (the lever applies to its x block at dro-level='group')")
+                raise ValueError(f"config key {key!r}: got {values[key]!r} with recursive-spider at "
+                                 f"dro-level='record'; allowed: {default!r} (the lever applies to its x block at "
+                                 "dro-level='group')")
 
 
 # ---- the built-in algorithms (docs/explanation/ALGORITHMS.md) ----

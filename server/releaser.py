@@ -114,8 +114,8 @@ class Releaser:
         """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
-        count_scale = (cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only)
-                       else 0.0)
+        counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
+        count_scale = cfg.clip_count_scale if counted else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = client_noise_std(cfg.noise_mode, z, self.noise_sensitivity(q), self.shares)

@@ -164,3 +164,49 @@ def test_released_fraction_moves_the_difference_clip_geometrically(tmp_path):
 def test_levers_are_refused_for_record_level_recursive_spider(tmp_path):
     with pytest.raises(ConfigError, match="x-estimator"):
         cfg_of(tmp_path, algorithm="recursive-spider", **{"dro-level": "record", "x-estimator": "storm"})
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ghost_norms_of_a_two_point_difference_match_torch_func(bias, dtype):
+    """OuterDiffRows (per_sample.py): a linear layer at two points whose inputs differ; the per-record norm of
+    a1 g1 h1^T - a2 g2 h2^T from the formula and the clipped sum from two products match torch.func's per-sample
+    gradients (the dense rows, float64) to 1e-5, the norm bound never below the exact norm."""
+    from torch.func import functional_call, grad, vmap
+
+    from dpdro.common.per_sample import OuterDiffRows, OuterRows, clip_rows, clipped_sum_and_count, combine_outer
+
+    gen = torch.Generator().manual_seed(0)
+    n_in, k, b = 40, 7, 33
+    layer = torch.nn.Linear(n_in, k, bias=bias).to(torch.float64)
+    h1 = torch.randn(b, n_in, generator=gen, dtype=torch.float64)
+    h2 = h1 + 0.05 * torch.randn(b, n_in, generator=gen, dtype=torch.float64)  # the input moved with the point
+    y = torch.randint(0, k, (b,), generator=gen)
+    p1 = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    p2 = {n: p + 0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in p1.items()}
+
+    def per_sample(params, h):
+        def loss(prm, hi, yi):
+            out = functional_call(layer, prm, (hi.unsqueeze(0),))
+            return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0))
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, h, y)
+        return torch.cat([grads[n].reshape(b, -1) for n in p1], dim=1)
+
+    def outer(params, h):
+        logits = functional_call(layer, params, (h,))
+        g = torch.softmax(logits, 1) - torch.nn.functional.one_hot(y, k).to(torch.float64)
+        return OuterRows(g.to(dtype), h.to(dtype), bias, torch.full((b,), 0.5, dtype=dtype))
+
+    dense = 0.5 * (per_sample(p1, h1) - per_sample(p2, h2))
+    rows = combine_outer([outer(p1, h1), outer(p2, h2)], (1.0, -1.0))
+    assert isinstance(rows, OuterDiffRows)
+    exact = dense.norm(dim=1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-9
+    np.testing.assert_allclose(rows.norm_upper_bound().numpy(), exact.numpy(), rtol=tol)
+    assert bool((rows.norm_upper_bound() >= exact * (1 - 1e-6 if dtype == torch.float32 else 1.0)).all())
+    bound = float(exact.median())
+    total, clipped = clipped_sum_and_count(rows, bound)
+    np.testing.assert_allclose(total.numpy(), clip_rows(dense, bound).sum(0).numpy(), rtol=tol, atol=tol * bound)
+    assert clipped == int((rows.norm_upper_bound() > bound).sum()) and 0 < clipped < b
+    # the dense form (float32: the cancellation of the two terms' rounding, ~1e-7 absolute)
+    np.testing.assert_allclose(torch.cat(rows.blocks, 1).numpy(), dense.numpy(), rtol=tol, atol=1e-6)

@@ -210,3 +210,21 @@ def test_ghost_norms_of_a_two_point_difference_match_torch_func(bias, dtype):
     assert clipped == int((rows.norm_upper_bound() > bound).sum()) and 0 < clipped < b
     # the dense form (float32: the cancellation of the two terms' rounding, ~1e-7 absolute)
     np.testing.assert_allclose(torch.cat(rows.blocks, 1).numpy(), dense.numpy(), rtol=tol, atol=1e-6)
+
+
+def test_estimator_terms_weight_storm_releases_geometrically():
+    """simulations/estimator.py: with decay 1 - a the estimate is sum_j decay^(k - j) X_j, so its noise (and
+    sampling) terms are weighted by decay^(2 (k - j)); decay 1 is SPIDER's plain sum."""
+    from dpdro.simulations.estimator import ReleaseStats, estimate_terms
+
+    def stats(value, z_rate=0.5):
+        return ReleaseStats(np.array([value]), 1.0, 0.0, math.nan, 1.0, z_rate, 1, 1.0)
+
+    ref, d1, d2, target = stats(1.0), stats(0.5), stats(0.25), stats(2.0)
+    spider = estimate_terms(ref, [d1, d2], target, 100, 2.0, 2.0)
+    storm = estimate_terms(ref, [d1, d2], target, 100, 2.0, 2.0, decay=0.5)
+    assert spider["clip_bias"] == pytest.approx((1.75 - 2.0) ** 2)
+    assert storm["clip_bias"] == pytest.approx((0.25 * 1.0 + 0.5 * 0.5 + 0.25 - 2.0) ** 2)
+    one = (2.0 * 1.0 / 50) ** 2  # z S / N for one release
+    assert spider["noise"] == pytest.approx(3 * one)
+    assert storm["noise"] == pytest.approx((0.0625 + 0.25 + 1.0) * one)

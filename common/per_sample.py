@@ -398,13 +398,18 @@ class OuterDiffRows(RowBlocks):
         (t1, t2), (a1, a2) = self.terms, self.coefficients()
         g1, g2, h1, h2 = t1.g.to(torch.float64), t2.g.to(torch.float64), t1.h64(), t2.h64()
         b = 1.0 if self.bias else 0.0
-        gg11, gg22, gg12 = (g1 * g1).sum(1), (g2 * g2).sum(1), (g1 * g2).sum(1)
-        hh11, hh22, hh12 = (h1 * h1).sum(1) + b, (h2 * h2).sum(1) + b, (h1 * h2).sum(1) + b
+        gg11, gg22, gg12 = _row_dots(g1, g1), _row_dots(g2, g2), _row_dots(g1, g2)
+        hh11, hh22, hh12 = _row_dots(h1, h1) + b, _row_dots(h2, h2) + b, _row_dots(h1, h2) + b
         square = a1 * a1 * gg11 * hh11 + 2.0 * a1 * a2 * gg12 * hh12 + a2 * a2 * gg22 * hh22
         scale = a1.abs() * (gg11 * hh11).sqrt() + a2.abs() * (gg22 * hh22).sqrt()
         slack = 4.0 * (h1.shape[1] + g1.shape[1] + 16) * eps
         norms = (square.clamp(min=0.0) + slack * scale * scale).sqrt() + 4.0 * eps * scale
         return norms * (1.0 + clip_margin(t1.g.dtype))
+
+
+def _row_dots(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """u_i . v_i per row (B,) for u, v (B, n), as a batched matrix product (no (B, n) temporary)."""
+    return torch.bmm(u.unsqueeze(1), v.unsqueeze(2)).reshape(-1)
 
 
 def _clipped_outer_diff_sum_and_count(v: OuterDiffRows, bound: float) -> tuple[torch.Tensor, int]:

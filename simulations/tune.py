@@ -204,7 +204,8 @@ def trial_config(dataset: str, epsilon: float, method: str, keys: dict, out_dir:
     values = {**BASE, **per, **FIXED.get(method, {}), **keys, "dataset": dataset, "algorithm": method,
               "epsilon": epsilon, "seed": seed, "eval-split": "validation", "out-dir": str(out_dir)}
     batch = int(values["refresh-batch"] * scale)
-    values.update({"refresh-batch": batch, "diff-batch": batch // 2, "s-batch": batch})
+    batches = {"refresh-batch": batch, "diff-batch": batch // 2, "s-batch": batch}
+    values.update({k: v for k, v in batches.items() if k == "refresh-batch" or k in ALGORITHM_SPECS[method].keys})
     values["eval-every"] = max(1, values["iterations"] // EVALS_PER_TRIAL)
     return Config.from_mapping(values)
 
@@ -216,7 +217,9 @@ def final_keys(cfg: Config) -> dict:
     they equal today's defaults keeps the file's meaning if a default changes."""
     default = Config.from_mapping({}).to_dict()
     values = cfg.with_updates({"validation-fraction": 0.0, "eval-split": "test"}).to_dict()
-    explicit = ({"algorithm", "dataset", "epsilon", "iterations", "refresh-batch", "diff-batch", "s-batch"}
+    reads = ALGORITHM_SPECS[cfg.algorithm].keys
+    explicit = ({"algorithm", "dataset", "epsilon", "iterations", "refresh-batch"}
+                | ({"diff-batch", "s-batch"} & set(reads))
                 | set(BASE) | set(FIXED.get(cfg.algorithm, {})) | set(SPACES.get(cfg.algorithm, {})))
     drop = {"out-dir", "seed", "eval-every", "validation-fraction", "eval-split"}
     return {k: v for k, v in values.items() if k not in drop and (k in explicit or v != default[k])}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dpdro.common.per_sample import RowBlocks
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DPDRO_CACHE_DIR", str(ROOT / ".cache" / "data"))
 os.environ.setdefault("FLWR_HOME", str(ROOT / ".flwr"))
@@ -56,3 +58,17 @@ def small_config(tmp_path, monkeypatch):
         return Config.from_mapping(values)
 
     return make
+
+
+class PerRecordFromGrads:
+    """Mixin for a stand-in model that defines only ``losses_and_grads(flat, x, y, offset)`` (losses (B,), per-record
+    gradients (B, d)): it adds FlatModel's other per-record interfaces, the gradients as two column blocks
+    ([:, :1] and [:, 1:], as FlatModel's per parameter) and as RowBlocks (what dual-x reads)."""
+
+    def losses_and_grad_blocks(self, flat, x, y, offset=None):
+        losses, grads = self.losses_and_grads(flat, x, y, offset)
+        return losses, [grads[:, :1], grads[:, 1:]]
+
+    def losses_and_grad_rows(self, flat, x, y, offset=None):
+        losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
+        return losses, RowBlocks(blocks)

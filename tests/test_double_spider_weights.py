@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import PerRecordFromGrads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import brentq
@@ -23,7 +24,7 @@ from dpdro.client.local_transport import LocalTransport
 from dpdro.common.config import Config
 from dpdro.common.data import ArrayDataset
 from dpdro.common.dro import dro_objective
-from dpdro.common.per_sample import RowBlocks, clip_rows
+from dpdro.common.per_sample import clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem, dro_weight_bound
 from dpdro.server.algorithms import make_algorithm
@@ -32,7 +33,7 @@ from dpdro.server.engine import train
 DIM = 3
 
 
-class FixedLosses:
+class FixedLosses(PerRecordFromGrads):
     """A model whose per-record losses are fixed and whose loss gradients are the given rows (zeros by
     default): the eta block sees a frozen x."""
 
@@ -46,13 +47,6 @@ class FixedLosses:
     def losses_and_grads(self, flat, x, y, offset=None):
         return self.l.clone(), self.g.clone()
 
-    def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
-        losses, grads = self.losses_and_grads(flat, x, y, offset)
-        return losses, [grads[:, :1], grads[:, 1:]]
-
-    def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
-        losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
-        return losses, RowBlocks(blocks)
 
 
 def private_cfg(**kw) -> Config:

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import counting
+from conftest import PerRecordFromGrads, counting
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import brentq
@@ -19,7 +19,7 @@ from dpdro.client.local_transport import LocalTransport
 from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset
 from dpdro.common.models import make_model
-from dpdro.common.per_sample import FlatModel, RowBlocks, clip_rows
+from dpdro.common.per_sample import FlatModel, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem
 from dpdro.server.algorithms import make_algorithm
@@ -241,7 +241,7 @@ def test_solve_eta_with_a_cap_gives_unit_mass_and_capped_weights():
     assert w[2] == 2.0 and w[0] < 1.0  # the high-loss group sits at the cap
 
 
-class Rows:
+class Rows(PerRecordFromGrads):
     """A model with fixed per-record losses and loss gradients."""
 
     def __init__(self, losses, grads):
@@ -253,13 +253,6 @@ class Rows:
     def losses_and_grads(self, flat, x, y, offset=None):
         return self.l.clone(), self.g.clone()
 
-    def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
-        losses, grads = self.losses_and_grads(flat, x, y, offset)
-        return losses, [grads[:, :1], grads[:, 1:]]
-
-    def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
-        losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
-        return losses, RowBlocks(blocks)
 
 
 def test_group_quantities_rows():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PerRecordFromGrads
 from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,7 @@ from dpdro.common.config import Config, ConfigError
 from dpdro.common.data import ArrayDataset, validation_split
 from dpdro.common.messages import Point, Query, Reply
 from dpdro.common.models import make_model
-from dpdro.common.per_sample import FlatModel, RowBlocks, clip_rows
+from dpdro.common.per_sample import FlatModel, clip_rows
 from dpdro.common.psi import make_psi
 from dpdro.common.quantities import QUANTITIES, Problem, dro_weight_bound, dual_x_weight_after_clip
 from dpdro.common.transport import RoundResult
@@ -223,18 +224,11 @@ def test_engine_plan_lands_on_target_with_setup_releases():
 def test_weight_after_clip_never_exceeds_its_declared_sensitivity(losses, scale, eta, lam, clip, psi):
     """w~ clip_C(grad l) has norm <= C W for every record, W = psi*'((B - G eta) / lambda), B = 4."""
 
-    class FakeModel:
+    class FakeModel(PerRecordFromGrads):
         def losses_and_grads(self, flat, x, y, offset=None):
             g = torch.randn(len(losses), 7, generator=torch.Generator().manual_seed(len(losses)), dtype=torch.float64)
             return torch.tensor(losses, dtype=torch.float64), g * scale
 
-        def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
-            losses, grads = self.losses_and_grads(flat, x, y, offset)
-            return losses, [grads[:, :1], grads[:, 1:]]
-
-        def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
-            losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
-            return losses, RowBlocks(blocks)
 
     problem = Problem(make_psi(psi, 0.3), lam, 1.0, loss_bound=4.0, clamp_weights=True)
     v = dual_x_weight_after_clip(FakeModel(), None, eta, None, None, problem, (clip,))
@@ -246,17 +240,10 @@ def test_weight_after_clip_keeps_weights_that_the_product_clip_erases():
     """Two records with large gradients and different losses: after the product clip both have norm C; with
     weight-after-clip their norms keep the ratio of their DRO weights."""
 
-    class FakeModel:
+    class FakeModel(PerRecordFromGrads):
         def losses_and_grads(self, flat, x, y, offset=None):
             return torch.tensor([0.5, 3.0], dtype=torch.float64), torch.full((2, 4), 10.0, dtype=torch.float64)
 
-        def losses_and_grad_blocks(self, flat, x, y, offset=None):  # two column blocks, as FlatModel's per parameter
-            losses, grads = self.losses_and_grads(flat, x, y, offset)
-            return losses, [grads[:, :1], grads[:, 1:]]
-
-        def losses_and_grad_rows(self, flat, x, y, offset=None):  # FlatModel's, with its default engine
-            losses, blocks = self.losses_and_grad_blocks(flat, x, y, offset)
-            return losses, RowBlocks(blocks)
 
     problem = Problem(make_psi("chi2", 0.1), 1.0, 1.0, loss_bound=4.0, clamp_weights=True)
     wac = torch.linalg.vector_norm(dual_x_weight_after_clip(FakeModel(), None, 0.0, None, None, problem, (1.0,)),
@@ -551,7 +538,12 @@ def test_main_job_is_the_tuned_best_configuration():
     local = {"out-dir", "eval-every", "checkpoint-every"}
     assert {k: v for k, v in main.items() if k not in local} == {k: v for k, v in best.items() if k not in local}
     assert main["out-dir"] == "runs/main" and best["dataset"] == "mnist-st" and best["epsilon"] == 4.0
-    Config.from_mapping(main)  # valid
+    import warnings
+
+    from dpdro.common.config import IgnoredKeyWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeyWarning)  # the quick start prints no warning
+        Config.from_mapping(main)  # valid, and every key it sets is read
 
 
 def test_hazard_variants_of_a_group_level_config_toggle_the_group_levers(tmp_path):

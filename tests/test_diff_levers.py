@@ -102,11 +102,11 @@ def test_storm_at_zero_is_spiders_recursion_at_the_record_level(tmp_path):
     np.testing.assert_array_equal(storm.params, spider.params)
 
 
-def test_count_only_query_counts_the_records_under_the_clip_and_travels():
+def test_count_only_query_counts_the_records_under_the_clip_and_travels(tmp_path):
     """A count-only query's reply is the number of records whose difference vector has norm <= clip (sensitivity
     1, one coordinate); the wire form keeps the flag."""
     data = tiny_data()
-    cfg = cfg_of(__import__("pathlib").Path("/tmp"), algorithm="dp-sgd", **{"dro-level": "record"})
+    cfg = cfg_of(tmp_path, algorithm="dp-double-spider", **{"dro-level": "record"})
     worker = ShardWorker(cfg, data, 0)
     model = FlatModel(make_model("cnn", 10, cfg.seed, torch.float64))
     x0 = model.initial()

@@ -27,7 +27,7 @@ against 1.4-2.0, noise std above s itself); released in units of s_{t-1} (s-clip
 a relative error, and its profile carries the weight of that error on the update (ALGORITHMS.md 2.5). For a
 difference the nominal clip is C_max (its clip C_t = min(C_diff Delta_t, C_max) is not known before training).
 
-What V is for a SPIDER block (issue 46: does 'variance' minimise the estimator's error or only set a ratio?). The
+What V is for a SPIDER block (does 'variance' minimise the estimator's error or only set a ratio?). The
 estimate at position j of a phase of q iterations is b = R + D_1 + ... + D_j with independent noises, so its DP
 noise variance is D (z_R C_R / N_R)^2 + j D (z_D C_D / N_D)^2 (the noise term of the estimator diagnostics,
 simulations/estimator.py). Summed over the q estimates of the phase, the refresh's noise counts q times and the

@@ -1,5 +1,5 @@
 """Cost of a SPIDER difference step against a refresh step and of a refresh against a non-private step, per model
-and per-record engine (issue 46's goals: difference / refresh <= 1.5, refresh / non-private <= 1.3).
+and per-record engine (the goals: difference / refresh <= 1.5, refresh / non-private <= 1.3).
 
 The steps are ``dpdro lab bench``'s (simulations/bench.py, ``StepBench``: the x quantity 'dual-x' through the
 clients' own ``clipped_total``, clip 1, synthetic inputs of the model's input shape), on the CNN (1x28x28 images)

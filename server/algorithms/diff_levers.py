@@ -1,4 +1,4 @@
-"""The levers that set what a gradient-difference release of the x block costs (issue 46; docs/research/SPIDER.md).
+"""The levers that set what a gradient-difference release of the x block costs (docs/research/SPIDER.md).
 
 Two public rules, shared by dp-double-spider (record level: its x block; group level) and group-level
 recursive-spider (its x block), each behind a config key:

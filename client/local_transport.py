@@ -37,10 +37,14 @@ class LocalTransport:
     timed-out client's thread is abandoned (it ends with the process) and its late result is ignored.
     """
 
-    def __init__(self, cfg, train: ArrayDataset, module=None) -> None:
-        """``module``: a model object for every worker instead of config key ``model`` (``ShardWorker``)."""
+    def __init__(self, cfg, train: ArrayDataset, module=None, held_out: ArrayDataset | None = None) -> None:
+        """``module``: a model object for every worker instead of config key ``model`` (``ShardWorker``).
+        ``held_out``: evaluation records the clients hold (eval-data=nodes), partitioned over them as the training
+        records are (``make_partition`` on their labels), so that each client evaluates on its own part."""
         parts = make_partition(cfg.data, train.y.numpy())
-        self.workers = [ShardWorker(cfg, train.subset(idx), pid, module) for pid, idx in enumerate(parts)]
+        held = ([held_out.subset(idx) for idx in make_partition(cfg.data, held_out.y.numpy())]
+                if held_out is not None else [None] * len(parts))
+        self.workers = [ShardWorker(cfg, train.subset(idx), pid, module, held[pid]) for pid, idx in enumerate(parts)]
         self.timeout = float(cfg.round_timeout)
 
     @property

@@ -1,5 +1,5 @@
 """The work of one client on one query: Poisson-sample its records, compute the per-record quantity at
-one point (refresh) or two points (difference), clip each record's vector and sum (ALGORITHMS.md 5.3).
+one point (refresh) or two points (difference), clip each record's vector and sum (docs/explanation/ALGORITHMS.md 5.3).
 
 Nothing here knows about Flower: the in-process transport and the ClientApp call the same code.
 """
@@ -7,6 +7,7 @@ Nothing here knows about Flower: the in-process transport and the ClientApp call
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterator, Mapping
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..common.config import check_device
 from ..common.data import ArrayDataset
+from ..common.eval_counts import EVAL_QUANTITY, node_counts
 from ..common.faults import active_fault
 from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
@@ -24,6 +26,8 @@ from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import site_rng
+
+log = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -42,8 +46,10 @@ class ShardWorker:
             the Python API's ``model=``; a private copy is made, so workers never share a module).
     """
 
-    def __init__(self, cfg, shard: ArrayDataset, partition: int, module: nn.Module | None = None) -> None:
+    def __init__(self, cfg, shard: ArrayDataset, partition: int, module: nn.Module | None = None,
+                 held_out: ArrayDataset | None = None) -> None:
         self.cfg = cfg
+        self.num_classes = shard.num_classes
         self.partition = partition
         check_device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
@@ -60,6 +66,10 @@ class ShardWorker:
         # the frozen parameters as the server has them; the trainable ones come with every query's versions
         prepare_model(base, cfg.init_weights, cfg.trainable, load=False)
         self.model = FlatModel(base.to(self.device), cfg.per_record_engine)
+        # the node's own held-out records (eval-data=nodes), never trained on; None: it holds none
+        self.held_out = None if held_out is None else (held_out.x.to(self.device, self.dtype),
+                                                       held_out.y.to(self.device))
+        self._said_no_held_out = False
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
 
@@ -137,6 +147,8 @@ class ShardWorker:
         the number of sampled records whose vector was not scaled down by ``query.clip``. ``versions`` maps the
         query's model version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
+        if query.quantity == EVAL_QUANTITY:
+            return self._answer_eval(query, versions)
         idx = self.sample(query)
         fn, flats, problem, groups = self._inputs(query, versions)
         total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
@@ -155,6 +167,28 @@ class ShardWorker:
             count = UNDISCLOSED
         if fault == "nan":
             out[:] = np.nan
+        return Reply(query.qid, self.partition, out, count)
+
+    def _answer_eval(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
+        """A node evaluation (eval-data=nodes, common/eval_counts.py): the (2K,) per-class correct and total counts
+        of the query's model on this node's held-out records, noised like any reply when ``query.noise_std`` > 0.
+        A node without held-out records says so (a warning in its log, once) and replies zeros over 0 records."""
+        flat = torch.as_tensor(versions[query.points[0].version]).to(self.device, self.dtype)
+        if self.held_out is None or int(self.held_out[1].shape[0]) == 0:
+            if not self._said_no_held_out:  # once per worker: every evaluation of the run would repeat it
+                self._said_no_held_out = True
+                log.warning("partition %d holds no held-out records: it contributes nothing to the node evaluation "
+                            "(eval-data=nodes)", self.partition)
+            out, count = np.zeros(query.dim, dtype=np.float64), 0
+        else:
+            x, y = self.held_out
+            out = node_counts(self.model, flat, x, y, query.dim // 2, query.extra, self.cfg.chunk_size)
+            count = int(y.shape[0])
+        if query.noise_std > 0:
+            rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
+                           self.partition, query.attempt)
+            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            count = UNDISCLOSED
         return Reply(query.qid, self.partition, out, count)
 
 

@@ -65,9 +65,9 @@ class AlgorithmSpec:
 
 # The run-directory fields that only some algorithms report (AlgorithmSpec.reports), each with what it is:
 # psi, lambda and dro_clip are the config keys psi, lambda and dro-clip; eval_dro_objective is F(x) of the run's psi
-# and lambda on the evaluation split (ALGORITHMS.md 1.2), a metrics.csv column and a summary.json field; eta0 is the
-# dual variable's starting value when released from the data (eta-init-source=private-mean-loss); spider_noise sums
-# up how much noise a SPIDER phase's differences added (server/diagnostics.py).
+# and lambda on the evaluation split (docs/explanation/ALGORITHMS.md 1.2), a metrics.csv column and a summary.json
+# field; eta0 is the dual variable's starting value when released from the data (eta-init-source=private-mean-loss);
+# spider_noise sums up how much noise a SPIDER phase's differences added (server/diagnostics.py).
 REPORTABLE = ("psi", "lambda", "dro_clip", "eval_dro_objective", "eta0", "spider_noise")
 
 
@@ -156,20 +156,20 @@ _LR_SPIDER = FloatRange(0.5, 8.0, log=True)
 _Q = Choice((1, 3, 5))
 _LAMBDA = FloatRange(0.25, 4.0, log=True)
 _LR_ETA = FloatRange(0.02, 0.5, log=True)  # once fixed at 0.1: the dual step is a lever too
-# The paper methods' group uncertainty set (ALGORITHMS.md 3.3 and 4.3): its centre, how weights meet the clip and the
-# weight cap: capped weight-after-clip diverged without a cap at the record level; the group level's product form
-# lets minority weights grow (as dp-sgda's p / pi do), so a large cap is in the space too.
-_DRO_REFERENCE = Choice(("prior", "uniform"))  # the group divergence's centre (ALGORITHMS.md 3.3)
+# The paper methods' group uncertainty set (docs/explanation/ALGORITHMS.md 3.3 and 4.3): its centre, how weights meet
+# the clip and the weight cap: capped weight-after-clip diverged without a cap at the record level; the group level's
+# product form lets minority weights grow (as dp-sgda's p / pi do), so a large cap is in the space too.
+_DRO_REFERENCE = Choice(("prior", "uniform"))  # the group divergence's centre (docs/explanation/ALGORITHMS.md 3.3)
 _DRO_CLIP = Choice(("product", "weight-after-clip"))
 _WEIGHT_CAP = Choice((1.5, 2.0, 3.0, 10.0))
 _BETA = FloatRange(0.01, 1.0, log=True)  # STORM weight / the group losses' averaging: 1 = no averaging; below 0.05
-# since the average is bias-corrected (a running mean at first) and the allocation counts it (ALGORITHMS.md 3.3)
-# How the budget is split between a method's releases (server/allocation.py): the variance rule, or the declared
-# ratios (eta-/s-noise-ratio 2; dp-sgda: equal multipliers). A lever of every method with two kinds of release:
-# measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10
+# since the average is bias-corrected (a running mean at first) and the allocation counts it
+# (docs/explanation/ALGORITHMS.md 3.3) How the budget is split between a method's releases (server/allocation.py): the
+# variance rule, or the declared ratios (eta-/s-noise-ratio 2; dp-sgda: equal multipliers). A lever of every method with
+# two kinds of release: measured on recursive-spider's group level, 'ratios' took the x multiplier from 4.08 to 2.10
 # (docs/research/long-tailed.md).
 _ALLOCATION = Choice(("variance", "ratios"))
-# The stabiliser: a linear warm-up of every step size (ALGORITHMS.md 5.5; 0 = off).
+# The stabiliser: a linear warm-up of every step size (docs/explanation/ALGORITHMS.md 5.5; 0 = off).
 _WARMUP = IntRange(0, 200, step=25)
 
 
@@ -203,7 +203,7 @@ _SPIDER_PARAMS = (
 _DUAL_PARAMS = (
     param("lr-eta", "float", 0.5, "Step size gamma_eta of the dual variable.", low=0.0, high=1e6, role="algorithm"),
     param("eta-scale", "float", 1.0, "G in L(x, eta) = L^(x, G eta): rescales the dual variable "
-          "(ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6, role="algorithm"),
+          "(docs/explanation/ALGORITHMS.md 1.1).", low=0.0, low_open=True, high=1e6, role="algorithm"),
     param("eta-init", "float", 0.0, "Initial dual variable when eta-init-source='config' (public).",
           low=-1e6, high=1e6, role="algorithm"),
     param("eta-init-source", "str", "config", "'config': eta starts at eta-init; 'private-mean-loss': at the mean "
@@ -217,7 +217,7 @@ _DUAL_PARAMS = (
 # The public loss bound and the groups (dp-double-spider, recursive-spider, dp-sgda)
 _BOUNDED_LOSS_PARAMS = (
     param("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
-          "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (ALGORITHMS.md 2.4).",
+          "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (docs/explanation/ALGORITHMS.md 2.4).",
           low=0.0, low_open=True, high=1e4, role="algorithm"),
     param("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes) or "
           "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
@@ -230,29 +230,31 @@ _GROUP_DRO_PARAMS = (
     param("dro-level", "str", "record", "Uncertainty set of dp-double-spider and recursive-spider: 'record' (the "
           "paper's: a psi-divergence ball over records) or 'group' (over the K classes: q near the class priors pi, "
           "group losses from SPIDER / STORM releases of the K-vector of class loss sums, record weights w_y public "
-          "functions of them; ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram before training.",
+          "functions of them; docs/explanation/ALGORITHMS.md 3.3, 4.3). 'group' releases the class histogram "
+          "before training.",
           choices=("record", "group"), role="algorithm"),
     param("block-order", "str", "sequential", "Order of the dual (eta, or the group weights) and model blocks of "
           "dp-double-spider and group-level recursive-spider: 'sequential' (the paper's Algorithm 2: the x block is "
           "evaluated at the eta or weights released in the same iteration, two message rounds per iteration) or "
           "'simultaneous' (both blocks at the same point (x_t, eta_t), the x block with the weights of the previous "
-          "iteration's release: one round per iteration, the same releases and sensitivities; ALGORITHMS.md 3.4). "
+          "iteration's release: one round per iteration, the same releases and sensitivities; "
+          "docs/explanation/ALGORITHMS.md 3.4). "
           "Record-level recursive-spider is simultaneous by construction (Algorithm 3) and ignores the key.",
           choices=("sequential", "simultaneous"), role="algorithm"),
     param("dro-reference", "str", "prior", "Reference distribution r of dro-level=group's psi-divergence "
           "D_psi(q || r): 'prior' (the group priors pi: the paper's centre, the empirical distribution, so q = pi is "
           "ERM) or 'uniform' (1/K: the balanced centre, as dp-sgda's KL(p || uniform); q = r weighs every group "
           "equally). A public choice: the record weights are w_k = r_k v_k / pi_k with v_k = q_k / r_k "
-          "(ALGORITHMS.md 3.3, 4.3).", choices=("prior", "uniform"), role="algorithm"),
+          "(docs/explanation/ALGORITHMS.md 3.3, 4.3).", choices=("prior", "uniform"), role="algorithm"),
     param("dro-clip", "str", "product", "How DRO weights meet clipping (dp-double-spider): 'product' clips "
           "w grad l to C (weights of clipped records are erased); 'weight-after-clip' uses w~ clip_C(grad l) with "
           "w~ the weight of min(l, B), sensitivity C W for the public bound W = psi*'((B - G eta) / lambda) "
-          "(ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
+          "(docs/explanation/ALGORITHMS.md 5.4).", choices=("product", "weight-after-clip"), role="algorithm"),
     param("weight-cap", "float", math.inf, "Public cap W_cap > 1 of dp-double-spider's DRO weights: every weight is "
           "min(w, W_cap) in both blocks (the psi-divergence with likelihood ratios <= W_cap). With "
           "dro-clip='weight-after-clip' the x sensitivity is C min(W, W_cap); with eta-clip-rule='weight-bound' the "
-          "eta clip is G max(1, min(W, W_cap) - 1) (ALGORITHMS.md 3.1). inf: no cap.", low=1.0, low_open=True,
-          high=1e6, allow_inf=True, role="algorithm"),
+          "eta clip is G max(1, min(W, W_cap) - 1) (docs/explanation/ALGORITHMS.md 3.1). inf: no cap.", low=1.0,
+          low_open=True, high=1e6, allow_inf=True, role="algorithm"),
     param("beta", "float", 0.5, "STORM weight beta in [0, 1] of recursive-spider's estimate s_t of g(w) (at "
           "dro-level=group: of its group-loss estimate; dp-double-spider at dro-level=group: the weight of the newest "
           "SPIDER estimate in the bias-corrected exponential average of the group losses; 0: their running mean).",
@@ -294,15 +296,16 @@ _DOUBLE_SPIDER_PARAMS = (
     param("eta-clip-rule", "str", "fixed", "Clip of dp-double-spider's eta-refresh: 'fixed' clips G (1 - w) at "
           "clip-eta (biased where weights exceed 1 + clip-eta / G: fatal for kl); 'weight-bound' computes w from "
           "min(l, B) and clips at G max(1, W - 1), W = min(psi*'((B - G eta_t) / lambda), weight-cap) the public "
-          "weight bound at the released eta_t, which no record exceeds: no clipping bias (ALGORITHMS.md 3.1).",
+          "weight bound at the released eta_t, which no record exceeds: no clipping bias "
+          "(docs/explanation/ALGORITHMS.md 3.1).",
           choices=("fixed", "weight-bound"), role="algorithm"),
     param("output-iterate", "str", "last", "'last': the final iterate; 'random': a uniformly drawn iterate "
           "(public coin) as in the theory.", choices=("last", "random"), role="algorithm"),
 )
 # Recursive-spider only
 _RECURSIVE_SPIDER_PARAMS = (
-    param("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, ALGORITHMS.md 2.1).",
-          low=0.0, high=1e3, role="algorithm"),
+    param("rho", "float", 0.5, "KL radius rho of the constrained KL-DRO (recursive-spider, "
+          "docs/explanation/ALGORITHMS.md 2.1).", low=0.0, high=1e3, role="algorithm"),
     param("lambda-init", "float", 1.0, "Initial lambda of recursive-spider (public).", low=0.0, low_open=True,
           high=1e6, role="algorithm"),
     param("lambda0", "float", 0.1, "Lower bound lambda0 > 0 of recursive-spider's lambda.", low=0.0,
@@ -323,15 +326,16 @@ _RECURSIVE_SPIDER_PARAMS = (
     param("s-clip-units", "str", "absolute", "recursive-spider's s release: 'absolute' (clip-s bounds the STORM term "
           "g~(w_t) - (1-beta) g~(w_{t-1}), noise std z clip-s / N) or 'relative' (the term is divided by the released "
           "s_{t-1} before the clip and the mean multiplied back, so clip-s bounds a relative change and the noise is a "
-          "fixed fraction of s; ALGORITHMS.md 2.5).", choices=("absolute", "relative"), role="algorithm"),
+          "fixed fraction of s; docs/explanation/ALGORITHMS.md 2.5).", choices=("absolute", "relative"),
+          role="algorithm"),
     param("rs-clip-units", "str", "absolute", "recursive-spider's v/u clip bounds: 'absolute' (clip-x, clip-diff "
           "on [grad_x g~ ; c_u d_lambda g~]) or 'relative' (the vector is scaled by lambda_t / s_{t-1} first, so the "
-          "bounds are in the units of the update z = lambda v / s; ALGORITHMS.md 5.4).",
+          "bounds are in the units of the update z = lambda v / s; docs/explanation/ALGORITHMS.md 5.4).",
           choices=("absolute", "relative"), role="algorithm"),
     param("loss-clamp", "str", "hard", "How recursive-spider's KL terms bound the loss at loss-bound B: 'hard' "
           "min(l, B) (records with l > B get zero gradient) or 'soft' B - softplus(B - l) (smooth, strictly "
           "increasing, < B: every record keeps a gradient; g~ stays in (0, 1], so sensitivities are unchanged; "
-          "ALGORITHMS.md 2.4).", choices=("hard", "soft"), role="algorithm"),
+          "docs/explanation/ALGORITHMS.md 2.4).", choices=("hard", "soft"), role="algorithm"),
     param("lr-lambda", "float", 0.05, "Step size gamma_lambda of recursive-spider's lambda.", low=0.0,
           high=1e6, role="algorithm"),
 )
@@ -371,9 +375,9 @@ declare_algorithm(AlgorithmSpec(
           "block-order",
           "dro-groups", "dro-reference", "beta", *_DIFF_LEVER_KEYS, *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
-    # eta clipped at its public weight bound (no clipping bias, ALGORITHMS.md 3.1); capped weights make
+    # eta clipped at its public weight bound (no clipping bias, docs/explanation/ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
-    # The search runs at dro-level=group (ALGORITHMS.md 3.3): the record level's searches
+    # The search runs at dro-level=group (docs/explanation/ALGORITHMS.md 3.3): the record level's searches
     # (docs/research/TUNING.md, earlier rounds) reached worst-class 0.02 at best, and half of a joint search's
     # trials went to it. lr-eta is inert at the group level (eta is solved exactly), so it is not searched; the
     # divergence's centre is.
@@ -394,12 +398,12 @@ declare_algorithm(AlgorithmSpec(
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True),
            "dro-reference": _DRO_REFERENCE, "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "beta": _BETA,
            "loss-bound": Choice((4.0, 10.0)), "noise-allocation": _ALLOCATION},
-    # The loss clamp B zeroes the gradient of records with l > B (ALGORITHMS.md 2.4): B = 10 keeps minority records
-    # (whose logit-adjusted losses exceed 4) in play at the record level, while the group level's K-vector release
-    # has sensitivity B (so B = 4 is in the space); the clips are in the units of the update (every trial of the
-    # first search in absolute units, B = 4, lost the minority classes).
-    # s released in units of s_{t-1} (ALGORITHMS.md 2.5; measured: 0.39 -> 0.83 accuracy at lr 6), with a floor
-    # below the starting s (about 4.5e-4 on MNIST-ST)
+    # The loss clamp B zeroes the gradient of records with l > B (docs/explanation/ALGORITHMS.md 2.4): B = 10 keeps
+    # minority records (whose logit-adjusted losses exceed 4) in play at the record level, while the group level's
+    # K-vector release has sensitivity B (so B = 4 is in the space); the clips are in the units of the update (every
+    # trial of the first search in absolute units, B = 4, lost the minority classes).
+    # s released in units of s_{t-1} (docs/explanation/ALGORITHMS.md 2.5; measured: 0.39 -> 0.83 accuracy at lr 6), with
+    # a floor below the starting s (about 4.5e-4 on MNIST-ST)
     fixed={"clip-diff-max": 0.15, "lr-lambda": 0.05, "rs-clip-units": "relative",
            "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"},
     # its objective is KL-DRO with rho (its own eval_kl_dro_objective), not the psi-divergence of key psi

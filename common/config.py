@@ -62,6 +62,12 @@ def _dataset_names() -> tuple[str, ...]:
 BUILTIN_MODELS = ("cnn", "cnn32", "resnet20", "cnn64", "mlp", "convnet", *SCATTER_MODELS)
 
 
+def _partition_names() -> tuple[str, ...]:
+    from .partition import PARTITIONS  # late: numpy
+
+    return PARTITIONS.names()
+
+
 def _model_names() -> tuple[str, ...]:
     registry = getattr(sys.modules.get(f"{__package__}.models"), "MODELS", None)
     return ("auto", *(registry.names() if registry is not None else BUILTIN_MODELS))
@@ -78,15 +84,16 @@ def __getattr__(name: str) -> Any:
 
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 # The items of key chosen-on-private-data: choices made on a validation split of the private training records.
-CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau")
+CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau", "posthoc-tau-noisy")
 
 CORE_FIELDS: tuple[Field, ...] = (
     # what to run
     Field("algorithm", "str", "dp-double-spider", "Training algorithm.", choices=algorithm_names, role="algorithm"),
-    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, ALGORITHMS.md 6.2); 'csv' "
-          "and 'image-folder' read your own files (docs: how-to/own-data); 'package.module:function' calls your "
-          "function (split, data_root) -> (x, y[, groups]) or a Dataset; 'python-data' is recorded by "
-          "dpdro.fit(data=...) (records from Python, no file).", choices=_dataset_names, role="data",
+    Field("dataset", "str", "mnist-st", "Training/test data set ('-st': long-tailed, "
+          "docs/explanation/ALGORITHMS.md 6.2); 'csv' and 'image-folder' read your own files (docs: "
+          "how-to/own-data); 'package.module:function' calls your function (split, data_root) -> (x, y[, groups]) or "
+          "a Dataset; 'python-data' is recorded by dpdro.fit(data=...) (records from Python, no file).",
+          choices=_dataset_names, role="data",
           entry_point=True),
     Field("data-root", "str", AUTO, "Built-in data sets: folder holding <Name>/raw/ in torchvision's layout (.gz or "
           "extracted); 'auto': $DPDRO_DATA_ROOT, else ../shared/datasets beside the project, else the cache. "
@@ -130,13 +137,18 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("eval-split", "str", "test", "Split evaluated during and after training: 'test' (public) or "
           "'validation' (held-out training records, for tuning: their metrics are not privacy-accounted).",
           choices=("test", "validation"), role="data"),
+    Field("eval-data", "str", "auto", "Who evaluates: 'server' (the server's own records of eval-split, as "
+          "before), 'nodes' (each node evaluates the broadcast model on its own held-out records of eval-split and "
+          "returns per-class correct and total counts; the server releases their sum with Gaussian noise charged to "
+          "the run's epsilon: eval-epsilon), or 'auto': 'nodes' with partition=node-local (deployment), else "
+          "'server'. Docs: explanation/privacy.", choices=("auto", "server", "nodes"), role="data"),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
           low=1, high=10_000, role="data"),
     Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
           "data set; 'node-local': each Flower node trains on its own data, read from its node config "
           "(flower-supernode --node-config \"data-root='/site/data'\"), nothing partitioned centrally, the server "
           "learning only the shard sizes (deployment only: docs/how-to/OPERATOR.md).",
-          choices=("iid", "dirichlet", "node-local"), role="data"),
+          choices=_partition_names, role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
     Field("features", "str", "none", "Feature front-end, computed once per record on the node that holds it "
@@ -162,7 +174,7 @@ CORE_FIELDS: tuple[Field, ...] = (
           "initial (or init-weights) values. Gradients, clipping, noise and the ledger's dimension cover the "
           "trainable ones only.", role="algorithm"),
     # DRO problem
-    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (ALGORITHMS.md 1.3).", choices=PSIS,
+    Field("psi", "str", "chi2", "psi-divergence of the DRO penalty (docs/explanation/ALGORITHMS.md 1.3).", choices=PSIS,
           role="algorithm"),
     Field("lambda", "float", 1.0, "Penalty weight lambda > 0 of the psi-divergence (public constant).",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
@@ -186,7 +198,7 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("iterations", "int", 400, "Number of iterations T.", low=1, high=10_000_000, role="algorithm"),
     Field("warmup-iterations", "int", 0, "Linear warm-up of every step size (lr-x, lr-eta, lr-lambda, lr-p): "
           "iteration t < W uses (t + 1) / W of each (0: off). Post-processing of released values, no privacy cost "
-          "(ALGORITHMS.md 5.5).",
+          "(docs/explanation/ALGORITHMS.md 5.5).",
           low=0, high=10_000_000, role="algorithm"),
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
           "refresh-batch / n).", low=1, high=10**9, role="algorithm"),
@@ -223,8 +235,15 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("chosen-on-private-data", "str", "", "What was chosen on a validation split of the private training "
           "records, comma-separated: 'hyper-parameters' (a search, e.g. dpdro tune), 'model' (the method or "
           "checkpoint kept for its validation metrics), 'posthoc-tau' (the post-hoc tau); not privacy-accounted, and "
-          "the summary's not_accounted lists each. dpdro tune writes it into the files it produces; computes "
-          "nothing.", role="privacy"),
+          "the summary's not_accounted lists each; 'posthoc-tau-noisy' (the post-hoc tau chosen from noisy counts, "
+          "dpdro lab tune --choose-posthoc-tau --selection-epsilon: private by itself, composed with the run's "
+          "epsilon). dpdro tune writes it into the files it produces; computes nothing.", role="privacy"),
+    Field("eval-epsilon", "float", 0.1, "eval-data=nodes: the epsilon (at the run's delta) of each node evaluation "
+          "on its own; all of them are part of the run's epsilon, training gets the rest. Expected error of a class's "
+          "accuracy: docs explanation/privacy.", low=0.0, low_open=True, high=100.0, role="privacy"),
+    Field("eval-noise-multiplier", "float", 0.0, "eval-data=nodes: the noise multiplier of each node evaluation "
+          "instead of eval-epsilon (0: from eval-epsilon); noise std = multiplier x sqrt(2).", low=0.0,
+          role="privacy"),
     # reproducibility and outputs
     Field("seed", "int", 0, "Seed of initialisation, partition and (when reproducible) sampling and noise.",
           low=0, high=2**63 - 1, role="data"),
@@ -543,6 +562,7 @@ class Config:
 
     def _check_data(self) -> None:
         from .data import DATASETS  # late: data.py imports this module
+        from .partition import is_node_local
 
         try:  # an import path is imported here: its error before any work
             spec = DATASETS.get_entry(self.dataset)
@@ -561,8 +581,8 @@ class Config:
                 MODELS.get_entry(self.model)
             except ValueError as e:
                 raise ConfigError(f"config key 'model': {e}") from None
-        if self.partition == "node-local" and not spec.num_classes and "classes" in spec.keys \
-                and not self.classes.strip():
+        if not spec.num_classes and "classes" in spec.keys and not self.classes.strip() \
+                and is_node_local(self.partition):
             raise ConfigError(f"config key 'classes': got ''; allowed with partition='node-local' and dataset="
                               f"{self.dataset}: the class names in label order (each site's files may hold other "
                               "classes, so they cannot come from one site's files)")
@@ -629,7 +649,8 @@ class Config:
     @property
     def private_eta_init(self) -> bool:
         """Whether eta starts from the private mean-loss release. Not at dro-level=group, where eta is solved exactly
-        from the released group losses at every iteration (ALGORITHMS.md 3.3): the release would be unused budget."""
+        from the released group losses at every iteration (docs/explanation/ALGORITHMS.md 3.3): the release would be
+        unused budget."""
         return (self.eta_init_source == "private-mean-loss" and ALGORITHM_SPECS[self.algorithm].uses_eta
                 and not self.group_level)
 

@@ -10,7 +10,7 @@ itself is never written. An explicit data root must hold the files (extracted or
 read (``common.cache_files``): a damaged cached copy of an intact source is rebuilt; any other damaged file is
 a DataError naming it.
 
-'-ST' construction (ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
+'-ST' construction (docs/explanation/ALGORITHMS.md 6.2, after the code of Qi et al. 2021): the training split in file
 order; for each class k in the first half of the classes keep only its last ceil(r * count_k) records
 (indices floor(count_k (1 - r)) to the end of that class's list); keep every record of the other classes.
 The test split is unchanged.
@@ -47,7 +47,7 @@ import numpy as np
 from . import image_folder, tabular_data
 from .atomic import atomic_writer
 from .cache_files import cache_entry_problem, decompress_into_cache, idx_problem, record_path
-from .data_types import DataError, LoadedSplit, stratified_split
+from .data_types import DataError, LoadedSplit, OwnRecords, stratified_split
 from .registry import AUTO, Registry
 from .scattering import compute_features
 
@@ -115,6 +115,14 @@ class DatasetSpec:
     fingerprint(data_root): a digest of the files read (names, sizes, modification times) for user files that
     may change under the same config keys; cacheable: False when not even that can be known (user code), so
     that no shard cache is kept (``data_fingerprint``).
+
+    What a finished run's model files and ``dpdro predict`` need (server/model_export.py, server/prediction.py):
+    input_scaling: how records become model inputs, in words (model.json): a string, or a function of the run's
+    config keys returning one (None: not known from them); None: "as dpdro loads data set NAME".
+    input_keys: the config keys that turn a file into model inputs (model.json's ``preprocessing`` lists the
+    input_keys of every registered data set). model_facts(data_root, options, input_shape) -> dict: further
+    model.json fields (csv: the training file's feature_names). own_records: how records of the user's own are
+    read for prediction (``OwnRecords``); None: any path given is a data root of the data set.
     """
 
     load: Loader
@@ -128,6 +136,24 @@ class DatasetSpec:
     check: Callable[[Mapping[str, Any]], None] | None = None
     fingerprint: Callable[[Path], str] | None = None
     cacheable: bool = True
+    input_scaling: str | Callable[[Mapping[str, Any]], str | None] | None = None
+    input_keys: tuple[str, ...] = ()
+    model_facts: Callable[[Path, Mapping[str, Any], tuple[int, ...]], dict[str, Any]] | None = None
+    own_records: OwnRecords | None = None
+
+
+def describe_input_scaling(name: str, options: Mapping[str, Any]) -> str:
+    """How records of data set ``name`` become model inputs under config keys ``options``, in words: its
+    ``DatasetSpec.input_scaling``, else "as dpdro loads data set NAME" (also for a name not registered)."""
+    spec = DATASETS.get(name)
+    scaling = None if spec is None else spec.input_scaling
+    text = scaling(options) if callable(scaling) else scaling
+    return text or f"as dpdro loads data set {name!r}"
+
+
+def input_keys() -> tuple[str, ...]:
+    """The ``input_keys`` of every registered data set (model.json's ``preprocessing``), each once."""
+    return tuple(dict.fromkeys(k for spec in DATASETS.values() for k in spec.input_keys))
 
 
 def _entry_point_spec(obj: Any, path: str) -> DatasetSpec:
@@ -598,22 +624,30 @@ def _cifar10_loader(split, data_root, cache_dir, download, split_seed):
     return (*_load_cifar10(split == "train", data_root, cache_dir, download, _CACHE_FALLBACK.get()), None)
 
 
-# ---- the built-in data sets ('-st': long-tailed, ALGORITHMS.md 6.2) ----
+# ---- the built-in data sets ('-st': long-tailed, docs/explanation/ALGORITHMS.md 6.2) ----
+# How they scale their inputs (``_to_float``): a data-independent map, stated for users in model.json.
+BUILTIN_INPUT_SCALING = "uint8 pixels p -> p / 255 * 2 - 1 (channels first, float)"
 for _name, _class, _model in (("mnist", "MNIST", "cnn"), ("fashion-mnist", "FashionMNIST", "cnn")):
     register_dataset(f"{_name}-st", DatasetSpec(_torchvision_loader(_class), 10, _model, long_tailed=True,
-                                                          keys=("imbalance-ratio",)))
-    register_dataset(_name, DatasetSpec(_torchvision_loader(_class), 10, _model))
+                                                keys=("imbalance-ratio",), input_scaling=BUILTIN_INPUT_SCALING))
+    register_dataset(_name, DatasetSpec(_torchvision_loader(_class), 10, _model,
+                                        input_scaling=BUILTIN_INPUT_SCALING))
 # CIFAR10-ST's default is the small CNN that trains on a CPU in minutes; model=resnet20 is the paper's (a GPU's)
 register_dataset("cifar10-st", DatasetSpec(_cifar10_loader, 10, "cnn32", long_tailed=True,
-                                           keys=("imbalance-ratio",)))
-register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20"))
-register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4))
+                                           keys=("imbalance-ratio",), input_scaling=BUILTIN_INPUT_SCALING))
+register_dataset("cifar10", DatasetSpec(_cifar10_loader, 10, "resnet20", input_scaling=BUILTIN_INPUT_SCALING))
+register_dataset("celeba", DatasetSpec(_load_celeba, 2, "cnn64", own_validation=True, num_groups=4,
+                                       input_scaling=BUILTIN_INPUT_SCALING))
 # ---- user data (docs/how-to/own-data.md): classes from the files or config key 'classes' ----
 register_dataset("image-folder", DatasetSpec(image_folder.load, 0, "convnet", keys=image_folder.KEYS,
                                              with_options=True, check=image_folder.check_options,
-                                             fingerprint=image_folder.fingerprint))
+                                             fingerprint=image_folder.fingerprint,
+                                             input_scaling=image_folder.input_scaling, input_keys=image_folder.KEYS,
+                                             own_records=image_folder.OWN_RECORDS))
 register_dataset("csv", DatasetSpec(tabular_data.load, 0, "mlp", keys=tabular_data.KEYS, with_options=True,
-                                    check=tabular_data.check_options, fingerprint=tabular_data.fingerprint))
+                                    check=tabular_data.check_options, fingerprint=tabular_data.fingerprint,
+                                    input_scaling=tabular_data.input_scaling, input_keys=tabular_data.KEYS,
+                                    model_facts=tabular_data.model_facts, own_records=tabular_data.OWN_RECORDS))
 
 
 # ---- records passed from Python (dpdro.fit(data=...)): recorded as this data set, which no file holds ----

@@ -5,7 +5,10 @@ it (it imports them to register them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -15,7 +18,7 @@ if TYPE_CHECKING:  # imported where tensors are built: config validation must no
     import torch
 
 # Test split of user data without a declared test file or folder: this fraction of every class (seeded by
-# split-seed), as the CelebA subset's split (ALGORITHMS.md 6.2).
+# split-seed), as the CelebA subset's split (docs/explanation/ALGORITHMS.md 6.2).
 USER_TEST_FRACTION = 0.2
 
 
@@ -42,6 +45,40 @@ class LoadedSplit(NamedTuple):
     num_groups: int = 0
     class_names: tuple[str, ...] = ()
     skipped_files: int = 0
+
+
+class RecordsRead(NamedTuple):
+    """Records of the user's own file or folder read to be scored by a trained model (``OwnRecords.read``).
+
+    x: float32 (N, ...) model inputs scaled exactly as in training (before the feature front-end, config key
+    features, which the caller applies). labels: int64 (N,) indices into the model's classes, or None
+    (unlabelled). groups: int64 (N,) in [0, num_groups) or None. sources: where each record came from (a file's
+    line, an image's path relative to the folder given), one string per record.
+    """
+
+    x: torch.Tensor
+    labels: np.ndarray | None
+    groups: np.ndarray | None
+    num_groups: int
+    sources: list[str]
+
+
+@dataclass(frozen=True)
+class OwnRecords:
+    """How ``dpdro predict`` / ``dpdro evaluate`` read records of the user's own for a run of one data set
+    (``DatasetSpec.own_records``; server/prediction.py), beside the run's splits and a data root.
+
+    description: what such a path may be, in words (help text and the error for a path not found).
+    is_data_root(path) -> bool: whether an existing ``path`` is a data root of the data set (its test split is
+    read, as in training) rather than records to score.
+    read(path, options, classes, model) -> RecordsRead: ``options``: the run's configuration keys (kebab-case);
+    ``classes``: the model's class names in label order; ``model``: model.json's contents (e.g.
+    ``feature_names``). Raises DataError naming the file, line or folder it cannot use.
+    """
+
+    description: str
+    is_data_root: Callable[[Path], bool]
+    read: Callable[[Path, Mapping[str, Any], list[str], Mapping[str, Any]], RecordsRead]
 
 
 def stratified_split(groups: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""The dual DRO loss L(x, eta; xi) and the exact DRO objective F(x) (ALGORITHMS.md 1.1-1.2).
+"""The dual DRO loss L(x, eta; xi) and the exact DRO objective F(x) (docs/explanation/ALGORITHMS.md 1.1-1.2).
 
 L(x, eta; xi) = lambda psi*((l(x; xi) - G eta) / lambda) + G eta, with G = eta-scale (the seed's rescaled
 dual variable). Per record: grad_x L = w grad_x l and d_eta L = G (1 - w), with w = psi*'(s) the DRO weight.
@@ -52,7 +52,7 @@ def dro_objective(losses: np.ndarray, psi: Psi, lam: float, iters: int = 200) ->
             hi = mid
     eta = 0.5 * (lo + hi)
     value = float(dual_loss(ls, eta, psi, lam).mean())
-    if psi.name == "kl":  # closed form (ALGORITHMS.md 1.3), stabler than the bisection value
+    if psi.name == "kl":  # closed form (docs/explanation/ALGORITHMS.md 1.3), stabler than the bisection value
         m = float(ls.max())
         value = m + lam * math.log(float(torch.exp((ls - m) / lam).mean()))
     return value, eta

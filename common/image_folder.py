@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .data_types import DataError, LoadedSplit, declared_classes, user_test_split
+from .data_types import DataError, LoadedSplit, OwnRecords, RecordsRead, declared_classes, user_test_split
 
 if TYPE_CHECKING:  # torch is imported where tensors are built (config validation stays free of it)
     import torch
@@ -288,3 +288,33 @@ def read_for_prediction(path: Path, options: Mapping[str, Any], classes: list[st
         x = (x.to(torch.float32) / 255.0 - mean) / std
     return x, None if labels is None else np.asarray(labels, dtype=np.int64), \
         [str(f.relative_to(root)) for f in files]
+
+
+def _records_of_path(path: Path, options: Mapping[str, Any], classes: list[str], model: Mapping[str, Any],
+                     ) -> RecordsRead:
+    """``read_for_prediction`` as ``OwnRecords.read`` (no groups)."""
+    x, y, sources = read_for_prediction(path, options, classes)
+    return RecordsRead(x, y, None, 0, sources)
+
+
+def _is_data_root(path: Path) -> bool:
+    """A folder holding train/ or test/ is a data root; any other image or folder is images to score."""
+    return path.is_dir() and any((path / s).is_dir() for s in ("train", "test"))
+
+
+# What dpdro predict / evaluate read for an image-folder run besides its splits and a data root
+OWN_RECORDS = OwnRecords("an image, a folder of images (unlabelled) or of class sub-folders (labelled)",
+                         _is_data_root, _records_of_path)
+
+
+def input_scaling(options: Mapping[str, Any]) -> str | None:
+    """How an image becomes model inputs, in words (model.json's input_scaling); None without image-channels in
+    ``options``."""
+    o = options
+    if "image-channels" not in o:
+        return None
+    size = f"resized to {o['image-size']}x{o['image-size']} (bilinear)" if o["image-size"] else "not resized"
+    values = (f"(p / 255 - image-mean) / image-std with image-mean {o['image-mean']}, image-std {o['image-std']}"
+              if o["image-mean"].strip() else "p / 255 * 2 - 1")
+    return (f"images converted to {'grey' if o['image-channels'] == 1 else 'RGB'}, {size}, pixels p -> {values} "
+            "(channels first, float)")

@@ -1,8 +1,9 @@
 """Models for record-level DP training, and the validator that refuses layers that mix records.
 
 BatchNorm normalises with batch statistics, so one record's output depends on the others and a
-per-record sensitivity no longer exists (ALGORITHMS.md 5.3, item 8). Only GroupNorm/LayerNorm models; config key
-``model-fix=groupnorm`` replaces a model's BatchNorm layers with GroupNorm before the check (``model_fix.py``).
+per-record sensitivity no longer exists (docs/explanation/ALGORITHMS.md 5.3, item 8). Only GroupNorm/LayerNorm models;
+config key ``model-fix=groupnorm`` replaces a model's BatchNorm layers with GroupNorm before the check
+(``model_fix.py``).
 """
 
 from __future__ import annotations

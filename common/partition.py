@@ -1,14 +1,22 @@
 """Partitioners: how the training records are split over clients (simulation of many sites).
 
-Both are deterministic given the seed, return a list of ``num_clients`` int64 index arrays that together
-hold every record exactly once, and never produce NaN: a client may receive no record, which the
-protocol handles (its Poisson sample is simply empty).
+``PARTITIONS`` holds one ``Partitioner`` per value of config key ``partition``: 'iid' and 'dirichlet' split one
+data set centrally; 'node-local' (``NODE_LOCAL``) splits nothing, each Flower node reading its own data
+(``is_node_local``). The splits are deterministic given the seed, return a list of ``num_clients`` int64 index
+arrays that together hold every record exactly once, and never produce NaN: a client may receive no record, which
+the protocol handles (its Poisson sample is simply empty).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
+from .config_schema import ConfigError
+from .registry import Registry
 from .rng import derived_rng
 
 
@@ -50,20 +58,43 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts]
 
 
+@dataclass(frozen=True)
+class Partitioner:
+    """One value of config key ``partition``: ``split(data, labels)`` -> the index arrays of the clients (``data``:
+    a Config's data section: num-clients, dirichlet-alpha, seed; ``labels``: (n,) int64 of the training split),
+    or None when nothing is split centrally because each node reads its own data (node-local)."""
+
+    split: Callable[[Any, np.ndarray], list[np.ndarray]] | None
+
+
+PARTITIONS: Registry[Partitioner] = Registry("partition")
+PARTITIONS.register("iid", Partitioner(lambda data, labels: iid_partition(len(labels), data.num_clients, data.seed)))
+PARTITIONS.register("dirichlet", Partitioner(
+    lambda data, labels: dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)))
+NODE_LOCAL = "node-local"  # each Flower node trains on the data its node config points at
+PARTITIONS.register(NODE_LOCAL, Partitioner(None))
+
 NODE_LOCAL_ONLY_DEPLOYED = (
     "config key 'partition': got 'node-local'; allowed here: 'iid' or 'dirichlet'. Node-local data needs a Flower "
     "deployment (dpdro deploy --node-data-root DIR ..., or SuperNodes started with --node-config "
     "\"data-root='/site/data'\"): single-node training and the simulation hold one data set in one place")
 
 
+def is_node_local(partition: str) -> bool:
+    """Whether config value ``partition`` leaves each node its own data (no central split: deployments only)."""
+    return PARTITIONS.get_entry(partition).split is None
+
+
+def refuse_node_local(partition: str) -> None:
+    """ConfigError (``NODE_LOCAL_ONLY_DEPLOYED``) for a node-local ``partition`` where the clients share one data
+    set (single-node training, the simulation), before any work."""
+    if is_node_local(partition):
+        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
+
+
 def make_partition(data, labels: np.ndarray) -> list[np.ndarray]:
     """The partition described by a Config's ``data`` section (keys partition, num-clients, dirichlet-alpha, seed).
     ConfigError for partition='node-local': there each node reads its own data and nothing is partitioned
     centrally."""
-    if data.partition == "node-local":
-        from .config import ConfigError
-
-        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
-    if data.partition == "iid":
-        return iid_partition(len(labels), data.num_clients, data.seed)
-    return dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)
+    refuse_node_local(data.partition)
+    return PARTITIONS.get_entry(data.partition).split(data, labels)

@@ -1,4 +1,5 @@
-"""psi-divergences for DRO: psi, its convex conjugate psi* and the derivative psi*' (ALGORITHMS.md 1.3).
+"""psi-divergences for DRO: psi, its convex conjugate psi* and the derivative psi*'
+(docs/explanation/ALGORITHMS.md 1.3).
 
 Primal penalty: D_psi(p || u) = (1/n) sum_i psi(n p_i). Dual (Levy et al. 2020; Shapiro 2017):
 F(x) = min_eta (1/n) sum_i [lambda psi*((l_i - eta) / lambda) + eta]. The DRO weight of record i is

@@ -3,7 +3,7 @@
 Each quantity maps (parameter point, records, public per-query constants) to one vector per record,
 (B, D). A query names the quantity and one or more points; the client combines them per record as
 sum_j coef_j f(point_j) (refresh: one point; SPIDER difference: coefs (1, -1); STORM: (1, -(1 - beta))),
-then clips. Formulas: ALGORITHMS.md 1.2 (psi-divergence dual), 2.4 (shifted KL compositional terms),
+then clips. Formulas: docs/explanation/ALGORITHMS.md 1.2 (psi-divergence dual), 2.4 (shifted KL compositional terms),
 6.1 (baselines).
 """
 
@@ -127,8 +127,8 @@ def dro_weight_bound(psi: Psi, eta: float, lam: float, eta_scale: float, loss_bo
 
 @register_quantity("dual-x-wac")
 def dual_x_weight_after_clip(model, flat, eta, x, y, problem, extra=()) -> torch.Tensor:
-    """DRO weights that survive clipping (ALGORITHMS.md 5.4): w~ clip_C(grad_x l) per record, shape (B, d),
-    with C = extra[0] the clip of the loss gradient and w~ = min(psi*'((min(l, B) - G eta) / lambda), W_cap)
+    """DRO weights that survive clipping (docs/explanation/ALGORITHMS.md 5.4): w~ clip_C(grad_x l) per record, shape (B,
+    d), with C = extra[0] the clip of the loss gradient and w~ = min(psi*'((min(l, B) - G eta) / lambda), W_cap)
     the weight of the loss clamped at the public bound B, capped at the public W_cap (config weight-cap; inf:
     no cap).
 
@@ -218,8 +218,8 @@ def group_onehot(model, flat, scalar, x, y, problem, extra=(), groups=None) -> t
 @uses_groups
 def group_loss(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:
     """e_g min(l, B) per record, shape (B, G) with G = len(extra), g the record's group: summed, the G-vector of
-    group loss sums behind dro-level=group (ALGORITHMS.md 3.3). One record touches one coordinate, so a row's norm
-    is min(l, B) <= B; a SPIDER or STORM combination of two points has norm |c(l_t) - c' c(l_{t-1})|."""
+    group loss sums behind dro-level=group (docs/explanation/ALGORITHMS.md 3.3). One record touches one coordinate, so a
+    row's norm is min(l, B) <= B; a SPIDER or STORM combination of two points has norm |c(l_t) - c' c(l_{t-1})|."""
     with torch.no_grad():
         losses = torch.clamp(model.losses(flat, x, y, problem.offset), max=problem.loss_bound)
     groups = y if groups is None else groups
@@ -230,7 +230,8 @@ def group_loss(model, flat, scalar, x, y, problem, extra=(), groups=None) -> tor
 @uses_groups
 @row_blocks
 def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None) -> RowBlocks:
-    """w_g c(grad_x l) per record, shape (B, d), g the record's group, for dro-level=group (ALGORITHMS.md 3.3).
+    """w_g c(grad_x l) per record, shape (B, d), g the record's group, for dro-level=group
+    (docs/explanation/ALGORITHMS.md 3.3).
 
     extra = (C_g, K, w^(0)_1..w^(0)_K[, w^(1)_1..w^(1)_K]): the public group weights of each point of the query, and
     the point's scalar ``index`` (0 or 1) says which set this point uses (a SPIDER difference pairs the weights of
@@ -246,7 +247,7 @@ def group_weighted_grad(model, flat, index, x, y, problem, extra=(), groups=None
 
 
 def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torch.Tensor:
-    """The bounded loss of the KL terms (ALGORITHMS.md 2.4), same shape and dtype as ``losses``.
+    """The bounded loss of the KL terms (docs/explanation/ALGORITHMS.md 2.4), same shape and dtype as ``losses``.
 
     Hard (loss-clamp=hard): min(l, B), flat beyond B, so a record with l > B gets zero gradient. Soft
     (loss-clamp=soft): B - softplus(B - l), smooth and strictly increasing with slope sigmoid(B - l) in (0, 1),
@@ -258,7 +259,7 @@ def clamped_loss(losses: torch.Tensor, bound: float, soft: bool = False) -> torc
 
 
 def _kl_terms(losses: torch.Tensor, lam: float, bound: float, soft: bool = False) -> torch.Tensor:
-    """g~ = exp((clamped(l) - B) / lambda) in (0, 1] (ALGORITHMS.md 2.4): no data-dependent shift."""
+    """g~ = exp((clamped(l) - B) / lambda) in (0, 1] (docs/explanation/ALGORITHMS.md 2.4): no data-dependent shift."""
     return torch.exp((clamped_loss(losses, bound, soft) - bound) / lam)
 
 
@@ -283,8 +284,8 @@ def kl_vu(model, flat, lam, x, y, problem, extra=()) -> torch.Tensor:
     c'(l) = sigmoid(B - l) > 0 everywhere. Sensitivity is unchanged by the clamp (the client clips the row).
 
     k = extra[0] (default 1) is a public scale of the whole vector: with k = lambda_t / s_{t-1} the clip
-    bound is in the units of the update z = lambda v / s (ALGORITHMS.md 5.4; config rs-clip-units=relative),
-    and the server divides the released mean by k."""
+    bound is in the units of the update z = lambda v / s (docs/explanation/ALGORITHMS.md 5.4; config
+    rs-clip-units=relative), and the server divides the released mean by k."""
     losses, grads = model.losses_and_grads(flat, x, y, problem.offset)
     losses = losses.detach()
     bound = problem.loss_bound

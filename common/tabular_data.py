@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from .data_types import DataError, LoadedSplit, declared_classes, natural_order, user_test_split
+from .data_types import (
+    DataError,
+    LoadedSplit,
+    OwnRecords,
+    RecordsRead,
+    declared_classes,
+    natural_order,
+    user_test_split,
+)
 
 KEYS = ("classes", "csv-label", "csv-features", "csv-group", "csv-bounds")
 
@@ -281,3 +289,33 @@ def read_file_records(path: Path, options: Mapping[str, Any], classes: list[str]
         group_names = natural_order(values)
         g, num_groups = _index(values, group_names, path, lines, "group", "groups"), len(group_names)
     return x, y, g, num_groups, lines
+
+
+def _records_of_file(path: Path, options: Mapping[str, Any], classes: list[str], model: Mapping[str, Any],
+                     ) -> RecordsRead:
+    """``read_file_records`` as ``OwnRecords.read``: the training feature columns from model.json's
+    ``feature_names`` (else csv-features), each record's source its 'file:line'."""
+    import torch
+
+    x, y, g, num_groups, lines = read_file_records(path, options, classes, model.get("feature_names"))
+    return RecordsRead(torch.from_numpy(x), y, g, num_groups, [f"{path.name}:{line}" for line in lines])
+
+
+# What dpdro predict / evaluate read for a csv run besides its splits: one file, every row (a folder: a data root)
+OWN_RECORDS = OwnRecords("a .csv file (every row; the label column optional)", Path.is_dir, _records_of_file)
+
+
+def input_scaling(options: Mapping[str, Any]) -> str | None:
+    """How a row becomes model inputs, in words (model.json's input_scaling); None without csv-bounds in
+    ``options``."""
+    if "csv-bounds" not in options:
+        return None
+    return (f"feature columns clipped to the declared public bounds (csv-bounds {options['csv-bounds']}) and scaled "
+            "to [-1, 1]: 2 (clip(x, lo, hi) - lo) / (hi - lo) - 1")
+
+
+def model_facts(data_root: Path, options: Mapping[str, Any], input_shape: tuple[int, ...]) -> dict[str, Any]:
+    """model.json's ``feature_names``: the training file's feature columns in input order (other files are read
+    by name), when that file can be read here and has one column per model input; else {}."""
+    names = training_feature_names(data_root, options)
+    return {"feature_names": names} if names is not None and len(names) == int(input_shape[0]) else {}

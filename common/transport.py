@@ -8,9 +8,9 @@ picks one and hands it to ``train``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,6 +20,34 @@ from .messages import Query, Reply
 
 class ClientFailure(RuntimeError, RunFailed):
     """Clients failed (error, timeout or malformed reply) and the failure policy does not allow going on."""
+
+
+def under_failure_policy(attempt: Callable[[int], dict[Any, str]], *, policy: str, max_retries: int,
+                         min_clients: int, remaining: Callable[[dict[Any, str]], int], where: str,
+                         on_discard: Callable[[], None] | None = None) -> dict[Any, str]:
+    """Run a round's attempts under the failure policy (config keys on-client-failure, max-retries, min-clients):
+    the one loop of every round, the nodes' start-up ('hello', server/flower/transport.py) and each release
+    (``server.releaser.collect_round``).
+
+    ``attempt(k)`` runs attempt k = 0, 1, ... and returns its failures, client -> 'who: why' ({} when none
+    failed); it keeps what succeeded and logs each failure in its own words. On failures: ``policy`` 'drop' goes
+    on without the failed clients if ``remaining(failures)`` >= ``min_clients``; else ``on_discard()`` is called
+    (the attempt is discarded) and 'retry' (or 'drop' with too few left) tries again, up to ``max_retries``
+    times, while 'fail' gives up at once. Returns {} after an attempt without failure, or the failures the run
+    goes on without ('drop'). Raises ClientFailure '<where> failed after N attempt(s) with on-client-failure=P:
+    ...' naming every failure of the last attempt (in client order)."""
+    for k in range(max_retries + 1):
+        failures = attempt(k)
+        if not failures:
+            return {}
+        if policy == "drop" and remaining(failures) >= min_clients:
+            return failures
+        if on_discard is not None:
+            on_discard()
+        if policy == "fail":
+            break
+    raise ClientFailure(f"{where} failed after {k + 1} attempt(s) with on-client-failure={policy}: "
+                        + "; ".join(text for _, text in sorted(failures.items())))
 
 
 @dataclass

@@ -448,6 +448,7 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     """
     from ..common.config import ConfigError, toml_value
     from ..common.data import pin_data_paths
+    from ..common.partition import is_node_local
     from ..server.rundir import RunDir, check_out_dir, read_json
 
     if cfg.num_clients != num_nodes:
@@ -455,7 +456,7 @@ def deploy_config(cfg, num_nodes: int, work_dir: str | os.PathLike, app_dir: str
     if node_data_roots is not None and len(node_data_roots) != num_nodes:
         raise ConfigError(f"--node-data-root: got {len(node_data_roots)} folders or files for {num_nodes} SuperNodes; "
                           "allowed: one per node")
-    if cfg.partition == "node-local":
+    if is_node_local(cfg.partition):
         if node_data_roots is None:
             raise ConfigError("config key 'partition': got 'node-local'; it needs each node's own data: "
                               "dpdro deploy --node-data-root SITE1 --node-data-root SITE2 ... (one per node)")

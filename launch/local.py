@@ -26,7 +26,12 @@ def prepare_local(cfg: Config, *, resume: bool = False, data: tuple[ArrayDataset
         train_set, test_set = load_from_config(cfg, train=True), load_from_config(cfg, train=False)
     else:
         train_set, test_set = data
-    return LocalTransport(cfg, train_set, module), test_set
+    from ..server.node_evaluation import evaluates_on_nodes
+
+    # eval-data=nodes: the clients hold the evaluation records (partitioned as the training ones) and evaluate on
+    # them; the server keeps test_set only for its shapes and class count
+    held_out = test_set if evaluates_on_nodes(cfg) else None
+    return LocalTransport(cfg, train_set, module, held_out), test_set
 
 
 def train_local(cfg: Config, *, resume: bool = False, progress: Progress | None = None,

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common import faults
-from ..common.config import Config, ConfigError, toml_value
+from ..common.config import Config, toml_value
 from ..common.data import pin_data_paths
 from ..common.errors import DpdroError
+from ..common.partition import refuse_node_local
 from ..server.rundir import RunDir, check_out_dir, read_json
 from .flwr_output import require_run_id, run_status
 from .processes import HOST, descendants, free_port, listener_pids, stop_on_signals, stop_tree
@@ -196,10 +197,7 @@ def run_simulation(cfg: Config, app_dir: Path = Path("."), stream: bool = True, 
     SuperLink and all its descendants are stopped when the call ends (unless ``keep_superlink`` and it
     succeeded), also on SIGTERM/SIGHUP (``TerminatedBySignal`` then propagates) and Ctrl-C.
     """
-    if cfg.partition == "node-local":  # simulated nodes have no data of their own
-        from ..common.partition import NODE_LOCAL_ONLY_DEPLOYED
-
-        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
+    refuse_node_local(cfg.partition)  # simulated nodes have no data of their own
     app_dir = app_dir.resolve()
     cfg = cfg.with_updates({"out-dir": str(Path(cfg.out_dir).resolve())})
     check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before any work

@@ -24,8 +24,8 @@ less where many coordinates or many updates depend on it. The rule only compares
 release is in the units its error reaches the update in: a scalar that divides the update (recursive-spider's
 s) is one coordinate of its own tiny scale in absolute units, so the rule starved it (multiplier 16.7-23.3
 against 1.4-2.0, noise std above s itself); released in units of s_{t-1} (s-clip-units=relative) its noise is
-a relative error, and its profile carries the weight of that error on the update (ALGORITHMS.md 2.5). For a
-difference the nominal clip is C_max (its clip C_t = min(C_diff Delta_t, C_max) is not known before training).
+a relative error, and its profile carries the weight of that error on the update (docs/explanation/ALGORITHMS.md 2.5).
+For a difference the nominal clip is C_max (its clip C_t = min(C_diff Delta_t, C_max) is not known before training).
 
 What V is for a SPIDER block (does 'variance' minimise the estimator's error or only set a ratio?). The
 estimate at position j of a phase of q iterations is b = R + D_1 + ... + D_j with independent noises, so its DP

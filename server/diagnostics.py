@@ -1,5 +1,5 @@
-"""Noise diagnostics of the releases (ALGORITHMS.md 5.4, "SPIDER only helps in its regime"); every value
-is computed from public quantities (noise multipliers, clip bounds, expected batch sizes) or from the
+"""Noise diagnostics of the releases (docs/explanation/ALGORITHMS.md 5.4, "SPIDER only helps in its regime"); every
+value is computed from public quantities (noise multipliers, clip bounds, expected batch sizes) or from the
 noisy releases themselves, so logging them costs no privacy.
 
 A SPIDER difference release adds noise of std z_d C_t / N_d to the estimator, and the noise of every

@@ -27,6 +27,7 @@ from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConf
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
 from ..common.transport import Transport
+from . import node_evaluation
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
 from .convergence import rising_note, worst_slope
@@ -112,6 +113,9 @@ def evaluation_line(row: dict, split: str = "test") -> str:
     ``split``, the config's eval-split (the row's keys say test_* whichever split it is)."""
     eps = row["epsilon_spent"]
     eps_text = "inf (not private)" if eps == math.inf else f"{eps:.4f}"
+    if "test_accuracy_se" in row:  # eval-data=nodes: noisy counts, each figure with its standard error
+        return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
+            node_evaluation.metrics_text(row)
     return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
             f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
 
@@ -188,92 +192,123 @@ def train_plan(plan: RunPlan, transport: Transport, test: ArrayDataset, callback
 
     Raises ResumeError for an unusable checkpoint, ledger.PrivacyBudgetExceeded if a release would overspend
     (nothing is released then) and TrainingStopped when a callback asked to stop (after a checkpoint)."""
-    cfg, algo, n, delta, noise = plan.cfg, plan.algo, plan.n, plan.delta, plan.noise
     progress = progress or Progress()
-    ledger = Ledger(plan.releases, noise, cfg.epsilon, delta, cfg.accountant)
-    rd = RunDir(cfg.out_dir)
-    rd.create()
-    facts = dict(zip(RUN_FACTS, (delta, n, transport_name, software_versions(), test.source or None), strict=True))
-    x0 = plan.model.initial().double().numpy()
-    releaser = Releaser(cfg, transport, ledger, n, rd)
-    rows: list[dict] = []
-    wall_before = 0.0
-    start = time.perf_counter()
-    if resume:
-        state, rows, wall_before, setup, lost = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
-    else:
-        rd.clear()  # empty unless overwrite was asked for (check_out_dir)
-        write_json(rd.config, {**cfg.to_dict(), **facts})
-        setup = setup_releases.release_all(releaser, cfg, x0, n, test.num_classes, test.num_groups)
-        state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
-    releaser.offset = setup.offset(cfg.tau)
-    shift = prediction_shift(cfg.training, setup)
-    run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
-                      wall=lambda: wall_before + time.perf_counter() - start)
-
-    def eval_row() -> dict:
-        x, _ = algo.output(run.state)
-        metrics = evaluate(plan.model, x, test, cfg.training, shift)
-        losses = metrics.pop("losses")
-        if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
-            metrics.pop("eval_dro_objective")
-        return {"iteration": run.state.t, "epsilon_spent": ledger.epsilon_spent(), **metrics,
-                **algo.eval_extras(run.state, losses), **algo.diagnostics(run.state),
-                **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
-                "server_heap_mb": heap_mb()}
-
-    def evaluated() -> None:
-        rows.append(eval_row())
-        for cb in callbacks:
-            cb.on_eval(run, rows[-1])
-
+    run, lost = _start(plan, transport, test, resume, transport_name)
     try:
         if resume:
             _restore_releaser(run, lost, progress)
         for cb in callbacks:
             cb.on_start(run)
-        if not rows:
-            evaluated()
-        while run.state.t < cfg.iterations:
-            t_before = run.state.t
-            released = releaser.run(algo.queries(run.state), algo.versions(run.state))
-            run.state = algo.advance(run.state, released)  # apply() under the step-size warm-up
-            if run.state.t == t_before:
-                continue
-            for cb in callbacks:
-                cb.on_step(run)
-            done = run.state.t >= cfg.iterations
-            if run.state.t % cfg.eval_every == 0 or done:
-                evaluated()
-            stop = not done and any([cb.stop_requested(run) for cb in callbacks])
-            for cb in callbacks:
-                cb.on_iteration_end(run, done, stop)
-            if stop:
-                raise TrainingStopped(run.state.t, cfg.iterations, str(rd.path))
-
-        releaser.monitor.close()
-        spider = releaser.monitor.summary()
-        if spider["phases_noise_dominated"]:
-            log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
-                        "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise "
-                        "diff-batch", spider["phases_noise_dominated"], spider["phases"])
-        run.params, _ = algo.output(run.state)
-        run.summary = run_summary(cfg, n=n, delta=delta, plan=plan.releases, noise=noise, profiles=plan.profiles,
-                                  ledger=ledger, releaser=releaser, final=rows[-1], setup=setup, spider=spider,
-                                  wall_seconds=run.wall(), transport_name=transport_name,
-                                  skipped_files=test.skipped_files, initial_model=plan.initial.facts())
-        rising = rising_note(rows, cfg.iterations)
-        run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
-        if rising:
-            log.info("%s", rising)
-        write_json(rd.summary, run.summary)
-        np.save(rd.path / "final_params.npy", run.params)
-        for cb in callbacks:
-            cb.on_end(run)
+        if not run.rows:
+            _evaluated(run, callbacks)
+        _iterate(run, callbacks)
+        _finish(run, callbacks, transport_name)
     finally:
         for cb in callbacks:
             cb.close()
-    return RunResult(params=run.params, summary=run.summary, metrics=rows)
+    return RunResult(params=run.params, summary=run.summary, metrics=run.rows)
+
+
+def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool, transport_name: str
+           ) -> tuple[TrainingRun, list[dict]]:
+    """The run before its first iteration, and the events of releases made after the checkpoint it resumes from
+    ([] for a new run): the ledger, the run directory (config.json with ``RUN_FACTS``), the releaser, and the
+    setup releases with the algorithm's start state (or the checkpoint's state, rows and setup)."""
+    cfg, algo = plan.cfg, plan.algo
+    ledger = Ledger(plan.releases, plan.noise, cfg.epsilon, plan.delta, cfg.accountant)
+    rd = RunDir(cfg.out_dir)
+    rd.create()
+    x0 = plan.model.initial().double().numpy()
+    releaser = Releaser(cfg, transport, ledger, plan.n, rd)
+    rows: list[dict] = []
+    wall_before, lost = 0.0, []
+    start = time.perf_counter()
+    if resume:
+        state, rows, wall_before, setup, lost = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
+    else:
+        rd.clear()  # empty unless overwrite was asked for (check_out_dir)
+        facts = (plan.delta, plan.n, transport_name, software_versions(), test.source or None)
+        write_json(rd.config, {**cfg.to_dict(), **dict(zip(RUN_FACTS, facts, strict=True))})
+        setup = setup_releases.release_all(releaser, cfg, x0, plan.n, test.num_classes, test.num_groups)
+        state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
+    releaser.offset = setup.offset(cfg.tau)
+    run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
+                      wall=lambda: wall_before + time.perf_counter() - start)
+    return run, lost
+
+
+def _eval_row(run: TrainingRun) -> dict:
+    """The metrics row of the run's current output (metrics.csv): test metrics with the prediction shift, the
+    algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory."""
+    algo, releaser = run.plan.algo, run.releaser
+    x, _ = algo.output(run.state)
+    shift = prediction_shift(run.cfg.training, run.setup)
+    if node_evaluation.evaluates_on_nodes(run.cfg):  # a charged release of the nodes' noisy counts
+        metrics = node_evaluation.evaluate_on_nodes(releaser, run.state.t, x, run.test.num_classes, shift)
+        extras = {}
+    else:
+        metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, shift)
+        extras = algo.eval_extras(run.state, metrics.pop("losses"))
+        if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
+            metrics.pop("eval_dro_objective")
+    return {"iteration": run.state.t, "epsilon_spent": releaser.ledger.epsilon_spent(), **metrics,
+            **extras, **algo.diagnostics(run.state),
+            **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
+            "server_heap_mb": heap_mb()}
+
+
+def _evaluated(run: TrainingRun, callbacks: list[Callback]) -> None:
+    """Evaluate now: append the row and hand it to every callback."""
+    run.rows.append(_eval_row(run))
+    for cb in callbacks:
+        cb.on_eval(run, run.rows[-1])
+
+
+def _iterate(run: TrainingRun, callbacks: list[Callback]) -> None:
+    """Release and update until the plan's last iteration, evaluating every eval-every iterations and at the end;
+    raises TrainingStopped after the iteration at which a callback asked to stop."""
+    cfg, algo, releaser = run.cfg, run.plan.algo, run.releaser
+    while run.state.t < cfg.iterations:
+        t_before = run.state.t
+        released = releaser.run(algo.queries(run.state), algo.versions(run.state))
+        run.state = algo.advance(run.state, released)  # apply() under the step-size warm-up
+        if run.state.t == t_before:
+            continue
+        for cb in callbacks:
+            cb.on_step(run)
+        done = run.state.t >= cfg.iterations
+        if run.state.t % cfg.eval_every == 0 or done:
+            _evaluated(run, callbacks)
+        stop = not done and any([cb.stop_requested(run) for cb in callbacks])
+        for cb in callbacks:
+            cb.on_iteration_end(run, done, stop)
+        if stop:
+            raise TrainingStopped(run.state.t, cfg.iterations, str(run.rd.path))
+
+
+def _finish(run: TrainingRun, callbacks: list[Callback], transport_name: str) -> None:
+    """The finished run's outputs: the released iterate (``run.params``), summary.json (``run.summary``, with the
+    noise monitor's SPIDER summary and the worst class's trend) and final_params.npy; then ``on_end``."""
+    cfg, plan, releaser, rows = run.cfg, run.plan, run.releaser, run.rows
+    releaser.monitor.close()
+    spider = releaser.monitor.summary()
+    if spider["phases_noise_dominated"]:
+        log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
+                    "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise "
+                    "diff-batch", spider["phases_noise_dominated"], spider["phases"])
+    run.params, _ = plan.algo.output(run.state)
+    run.summary = run_summary(cfg, n=plan.n, delta=plan.delta, plan=plan.releases, noise=plan.noise,
+                              profiles=plan.profiles, ledger=releaser.ledger, releaser=releaser, final=rows[-1],
+                              setup=run.setup, spider=spider, wall_seconds=run.wall(), transport_name=transport_name,
+                              skipped_files=run.test.skipped_files, initial_model=plan.initial.facts())
+    rising = rising_note(rows, cfg.iterations)
+    run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
+    if rising:
+        log.info("%s", rising)
+    write_json(run.rd.summary, run.summary)
+    np.save(run.rd.path / "final_params.npy", run.params)
+    for cb in callbacks:
+        cb.on_end(run)
 
 
 def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) -> None:

@@ -1,7 +1,7 @@
 """The run's evaluation: accuracy, per-class and worst-class accuracy, mean loss and the exact DRO objective F(x)
-of the run's psi (ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the released
-iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records) not
-private, and the summary's not_accounted says so."""
+of the run's psi (docs/explanation/ALGORITHMS.md 1.2). On the public test split (eval-split=test) post-processing of the
+released iterate, no privacy cost; on the validation split (eval-split=validation, held-out private training records)
+not private, and the summary's not_accounted says so."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
              prediction_shift: np.ndarray | None = None, batch: int = 2048) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
-    'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives. With group
+    'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives, and
+    eval_class_correct / eval_class_total (K ints each: correct predictions and records per class; the noisy
+    score of a private search releases them, server/private_tuning.py). With group
     labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups). ``objective``: what
     holds the DRO objective's keys psi, cvar_alpha and lambda_ (a Config's ``training`` section).
 
@@ -59,4 +61,5 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     return {**extra, "test_accuracy": float((pred == labels).mean()),
             "worst_class_accuracy": float(np.nanmin(per_class)),
             "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro,
-            "losses": loss}
+            "eval_class_correct": [int(((pred == k) & (labels == k)).sum()) for k in range(test.num_classes)],
+            "eval_class_total": [int((labels == k).sum()) for k in range(test.num_classes)], "losses": loss}

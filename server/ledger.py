@@ -1,6 +1,6 @@
 """The privacy ledger: planned releases, calibration and a guard, all on Google's dp-accounting.
 
-Contract (ALGORITHMS.md 5.2). Every release is a Poisson-subsampled Gaussian: each record is included
+Contract (docs/explanation/ALGORITHMS.md 5.2). Every release is a Poisson-subsampled Gaussian: each record is included
 independently with rate r, clipped per-record vectors (norm <= C) are summed and N(0, (z C f)^2) noise is
 added to the sum (f the float64 rounding factor, ``release.sum_rounding_factor``). Its DpEvent is
 PoissonSampledDpEvent(r, GaussianDpEvent(z)).

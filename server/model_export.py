@@ -9,9 +9,8 @@ import numpy as np
 import torch
 
 from ..common.config import TrainingConfig
-from ..common.data import DATASETS, resolve_data_root
+from ..common.data import DATASETS, input_keys, resolve_data_root
 from ..common.data_types import declared_classes
-from ..common.tabular_data import training_feature_names
 from .model_files import describe_module_class, input_scaling, state_dict_at, write_model_files
 from .run_report import long_tailed_construction, minority_classes, write_model_card, write_run_plots
 
@@ -32,20 +31,17 @@ def write_model_outputs(run: Any) -> None:
             "dtype": cfg.dtype, **initial.facts(), "dataset": cfg.dataset, "data": test.name,
             "input_scaling": input_scaling(test.name, cfg.to_dict()),
             # the declared keys that turn a user's file into model inputs (column order, public bounds, image size
-            # and scaling, class order): what scoring new records by hand needs
-            "preprocessing": {k: v for k, v in cfg.to_dict().items()
-                              if k.startswith(("csv-", "image-")) or k == "classes"},
+            # and scaling, class order; the data sets' input_keys): what scoring new records by hand needs
+            "preprocessing": {k: v for k, v in cfg.to_dict().items() if k in set(input_keys())},
             "priors": list(setup.priors) if setup.priors is not None else None, "posthoc_tau": cfg.posthoc_tau,
             "prediction_shift": None if shift is None else shift.tolist(), "logit_adjust_tau": cfg.tau,
             "eval_split": cfg.eval_split, "algorithm": cfg.algorithm,
             "private": cfg.private and not cfg.noise_from_saved_seed,
             "epsilon_spent": summary["epsilon_spent"], "delta": summary["delta"]}
-    if cfg.dataset == "csv":  # the training file's feature columns in input order: other files are read by name
-        names = training_feature_names(resolve_data_root(cfg.data_root), cfg.to_dict())
-        if names is not None and len(names) == int(test.x.shape[1]):
-            meta["feature_names"] = names
+    spec = DATASETS.get(cfg.dataset)
+    if spec is not None and spec.model_facts is not None:  # csv: the training file's feature columns
+        meta.update(spec.model_facts(resolve_data_root(cfg.data_root), cfg.to_dict(), tuple(test.x.shape[1:])))
     write_model_files(rd.path, state_dict_at(model.module, params), meta)
-    spec = DATASETS.get_entry(cfg.dataset) if cfg.dataset in DATASETS else None
     construction = long_tailed_construction(cfg.dataset, test.num_classes, cfg.imbalance_ratio,
                                             spec is not None and spec.long_tailed)
     minority = minority_classes(summary, construction)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..common.atomic import atomic_write_bytes
+from ..common.data import describe_input_scaling
 from ..common.model_fix import fix_model
 from ..common.models import make_model, validate_model
 from ..common.scattering import feature_description
@@ -30,34 +31,15 @@ from .rundir import RunFileError, read_json, write_json
 MODEL_FORMAT = "dpdro-model/1"
 MODEL_PT = "model.pt"
 MODEL_JSON = "model.json"
-# How the built-in data sets scale their inputs (common/data.py): a data-independent map, stated for users.
-BUILTIN_DATASETS = ("mnist", "mnist-st", "fashion-mnist", "fashion-mnist-st", "cifar10", "cifar10-st", "celeba")
-BUILTIN_INPUT_SCALING = "uint8 pixels p -> p / 255 * 2 - 1 (channels first, float)"
 
 
 def input_scaling(dataset: str, options: dict | None = None) -> str:
-    """How records of ``dataset`` (an ArrayDataset name) are turned into model inputs, in words (model.json);
-    ``options``: the run's configuration keys, which say it for the user data sets csv and image-folder, and the
-    feature front-end (key features) after the scaling."""
+    """How records of ``dataset`` (an ArrayDataset name) are turned into model inputs, in words (model.json): the
+    data set's ``DatasetSpec.input_scaling`` (``options``, the run's configuration keys, say it for the user data
+    sets csv and image-folder), then the feature front-end (key features)."""
     front_end = feature_description(str((options or {}).get("features", "none")))
-    scaling = _scaling(dataset, options)
+    scaling = describe_input_scaling(dataset, options or {})
     return f"{scaling}; {front_end}" if front_end else scaling
-
-
-def _scaling(dataset: str, options: dict | None) -> str:
-    if dataset in BUILTIN_DATASETS:
-        return BUILTIN_INPUT_SCALING
-    o = options or {}
-    if dataset == "image-folder" and "image-channels" in o:
-        size = f"resized to {o['image-size']}x{o['image-size']} (bilinear)" if o["image-size"] else "not resized"
-        values = (f"(p / 255 - image-mean) / image-std with image-mean {o['image-mean']}, image-std {o['image-std']}"
-                  if o["image-mean"].strip() else "p / 255 * 2 - 1")
-        return (f"images converted to {'grey' if o['image-channels'] == 1 else 'RGB'}, {size}, pixels p -> {values} "
-                "(channels first, float)")
-    if dataset == "csv" and "csv-bounds" in o:
-        return (f"feature columns clipped to the declared public bounds (csv-bounds {o['csv-bounds']}) and scaled "
-                "to [-1, 1]: 2 (clip(x, lo, hi) - lo) / (hi - lo) - 1")
-    return f"as dpdro loads data set {dataset!r}"
 
 
 @dataclass(frozen=True)

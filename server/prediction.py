@@ -6,10 +6,10 @@ Which data (``data``):
 - 'test', 'train' or 'validation': the split of the run's own configuration (its data set, data-root and
   max-*-records): 'test' is exactly the split the run evaluated on, so the accuracy it gives is the run's reported
   one;
-- records of your own to score, labelled or not (``RECORD_INPUTS``): for a dataset=csv run one CSV file, every
-  row of it, read with the run's columns and public bounds, the label column optional; for a dataset=image-folder
-  run one image, a folder of images (unlabelled) or a folder of class sub-folders (labelled, every image),
-  converted as in training;
+- records of your own to score, labelled or not, for a data set that declares how to read them
+  (``DatasetSpec.own_records``): for a dataset=csv run one CSV file, every row of it, read with the run's columns
+  and public bounds, the label column optional; for a dataset=image-folder run one image, a folder of images
+  (unlabelled) or a folder of class sub-folders (labelled, every image), converted as in training;
 - any other path: a data root in the layout of the run's data set (a folder holding train/ test/ or train.csv
   test.csv, or a built-in data set's folder), which replaces the run's data-root; its test split is read;
 - an ``ArrayDataset`` (Python: ``dpdro.records(x, y, K)``), e.g. for a run of ``dpdro.fit(data=...)``.
@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..common import image_folder, tabular_data
 from ..common.atomic import atomic_write_bytes
 from ..common.config import AUTO, Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
@@ -51,9 +50,6 @@ SPLITS = {"test": "test", "train": "train", "validation": "val"}
 PRIVATE_SPLITS = ("train", "validation")
 NOT_PRIVATE = "not private (reads private records)"
 POST_PROCESSING = "post-processing of the released model: no privacy cost"
-# What a path may be besides a data root, per data set of the run: records of your own, read in full.
-RECORD_INPUTS = {"csv": "a .csv file (every row; the label column optional)",
-                 "image-folder": "an image, a folder of images (unlabelled) or of class sub-folders (labelled)"}
 
 
 @dataclass(frozen=True)
@@ -120,15 +116,6 @@ def _run_config(run_dir: str | Path, overrides: dict | None) -> Config:
     return cfg.with_updates(overrides) if overrides else cfg
 
 
-def _is_data_root(cfg: Config, path: Path) -> bool:
-    """Whether ``path`` is a data root of the run's data set rather than records to score (RECORD_INPUTS)."""
-    if cfg.dataset == "csv":
-        return path.is_dir()
-    if cfg.dataset == "image-folder":
-        return path.is_dir() and any((path / s).is_dir() for s in ("train", "test"))
-    return True
-
-
 def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, spec: ModelSpec | None = None,
               ) -> Records:
     """The records ``data`` names for the run in ``run_dir`` (module docstring). Raises ConfigError for an
@@ -136,7 +123,7 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
     the file, line or folder when the files are missing or malformed."""
     if isinstance(data, ArrayDataset):  # records from Python get the run's front-end, as in dpdro.fit(data=...)
         x = compute_features(data.x, _run_config(run_dir, overrides).features, None)
-        return Records(x, data.y.numpy(), None if data.groups is None else data.groups.numpy(), data.num_groups)
+        return _records(data, x)
     if not isinstance(data, (str, Path)):
         raise ValueError(f"data must be 'test', 'train', 'validation', a path or dpdro.records(...); got "
                          f"{type(data).__name__}")
@@ -146,24 +133,25 @@ def load_data(run_dir: str | Path, data="test", overrides: dict | None = None, s
                           f"{cfg.validation_fraction:g} and {cfg.dataset} has none of its own); allowed: 'test', "
                           "'train', or a run trained with validation-fraction > 0")
     if str(data) in SPLITS:
-        ds = load_from_config(cfg, SPLITS[str(data)])
-        return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
+        return _records(load_from_config(cfg, SPLITS[str(data)]))
     path = Path(data).expanduser()
+    own = DATASETS.get_entry(cfg.dataset).own_records  # how the data set reads records of your own, if it does
     if not path.exists():
         raise DataError(f"--data {data}: {path} not found; expected 'test', 'train', 'validation'"
-                        + (f", {RECORD_INPUTS[cfg.dataset]}" if cfg.dataset in RECORD_INPUTS else "")
+                        + (f", {own.description}" if own is not None else "")
                         + f" or a data root of data set {cfg.dataset!r}")
-    if _is_data_root(cfg, path):
-        ds = load_from_config(cfg.with_updates({"data-root": str(path)}), "test")
-        return Records(ds.x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(), ds.num_groups)
+    if own is None or own.is_data_root(path):
+        return _records(load_from_config(cfg.with_updates({"data-root": str(path)}), "test"))
     spec = spec or _spec(run_dir)
-    options = cfg.to_dict()
-    if cfg.dataset == "csv":
-        names = spec.raw.get("feature_names")
-        x, y, g, num_groups, lines = tabular_data.read_file_records(path, options, spec.classes, names)
-        return Records(torch.from_numpy(x), y, g, num_groups, [f"{path.name}:{line}" for line in lines])
-    x, y, sources = image_folder.read_for_prediction(path, options, spec.classes)
-    return Records(compute_features(x, cfg.features, None), y, sources=sources)
+    read = own.read(path, cfg.to_dict(), spec.classes, spec.raw)
+    return Records(compute_features(read.x, cfg.features, None), read.labels, read.groups, read.num_groups,
+                   read.sources)
+
+
+def _records(ds: ArrayDataset, x: torch.Tensor | None = None) -> Records:
+    """The records of ``ds`` (with inputs ``x`` instead of its own when given)."""
+    return Records(ds.x if x is None else x, ds.y.numpy(), None if ds.groups is None else ds.groups.numpy(),
+                   ds.num_groups)
 
 
 def _own_validation(dataset: str) -> bool:

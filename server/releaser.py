@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..common.config import Config
+from ..common.eval_counts import EVAL_QUANTITY
 from ..common.faults import active_fault
 from ..common.messages import Query, Reply
 from ..common.rng import site_rng
-from ..common.transport import ClientFailure, Transport
+from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
 from .release import (
@@ -52,31 +53,34 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     never overshoots its bound and the check allows the rounding of the working dtype), so only transport
     failures, timeouts, a client's own error or a faulty client discard an attempt.
     """
-    for attempt in range(cfg.max_retries + 1):
-        tries = [dataclasses.replace(q, attempt=attempt) for q in queries]
+    last: dict = {}  # the latest attempt: its queries and valid replies
+
+    def attempt(k: int) -> dict[int, str]:
+        tries = [dataclasses.replace(q, attempt=k) for q in queries]
         result = transport.run(tries, versions)
         failures = dict(result.failures)
         for q in tries:
             _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
             failures.update(rejected)
-        if not failures:
-            return result.replies
         for pid, reason in sorted(failures.items()):
-            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, attempt, pid, reason)
-        valid = {qid: [r for r in rs if r.partition not in failures] for qid, rs in result.replies.items()}
-        remaining = transport.num_clients - len(failures)
-        if cfg.on_client_failure == "drop" and remaining >= cfg.min_clients:
-            log.warning("releasing without client(s) %s (%d remain)", sorted(failures), remaining)
-            return valid
-        if on_discard is not None:
-            for q in tries:
-                if valid[q.qid]:
-                    on_discard(q, valid[q.qid])
-        if cfg.on_client_failure == "fail":
-            break
-    summary = "; ".join(f"client {pid}: {reason}" for pid, reason in sorted(failures.items()))
-    raise ClientFailure(f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)}) failed "
-                        f"after {attempt + 1} attempt(s) with on-client-failure={cfg.on_client_failure}: {summary}")
+            log.warning("iteration %d, attempt %d: client %d failed: %s", queries[0].iteration, k, pid, reason)
+        last.update(tries=tries, valid={qid: [r for r in rs if r.partition not in failures]
+                                        for qid, rs in result.replies.items()})
+        return {pid: f"client {pid}: {reason}" for pid, reason in failures.items()}
+
+    def discarded() -> None:
+        for q in last["tries"]:
+            if on_discard is not None and last["valid"][q.qid]:
+                on_discard(q, last["valid"][q.qid])
+
+    dropped = under_failure_policy(
+        attempt, policy=cfg.on_client_failure, max_retries=cfg.max_retries, min_clients=cfg.min_clients,
+        remaining=lambda failures: transport.num_clients - len(failures), on_discard=discarded,
+        where=f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)})")
+    if dropped:
+        log.warning("releasing without client(s) %s (%d remain)", sorted(dropped),
+                    transport.num_clients - len(dropped))
+    return last["valid"]
 
 
 class Releaser:
@@ -114,6 +118,7 @@ class Releaser:
         """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
+        diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
         counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
         count_scale = cfg.clip_count_scale if counted else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)

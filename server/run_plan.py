@@ -21,10 +21,11 @@ from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel
+from . import node_evaluation
 from . import setup as setup_releases
 from .algorithms import Algorithm, make_algorithm
 from .allocation import allocate
-from .ledger import Mechanism, auto_delta, calibrate, check_delta
+from .ledger import ACCOUNTANTS, Mechanism, auto_delta, calibrate, check_delta, epsilon_of
 from .model_files import describe_module_class
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
 
 
 def resolve_delta(cfg: Config, n: int) -> float:
-    """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; ALGORITHMS.md 5.1). In a private run,
-    raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
+    """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; docs/explanation/ALGORITHMS.md 5.1). In a private
+    run, raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
     delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
     if cfg.private:
         warning = check_delta(delta, n, cfg.delta)
@@ -80,7 +81,8 @@ def check_groups(cfg: Config, num_groups: int) -> None:
 def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
     """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
-    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles)}
+    plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles),
+            **node_evaluation.mechanisms(cfg, delta)}  # eval-data=nodes: the evaluations, at fixed noise
     if cfg.private:
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
         noise = {m.name: m.noise_at(scale) for m in plan}
@@ -137,3 +139,35 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
     releases, noise, profiles = plan_run(cfg, algo, n, delta)
     return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes)
+
+
+def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:
+    """accountant ('pld', 'rdp') -> the epsilon that the plan's releases spend at its calibrated noise multipliers
+    and delta (the calibrated accountant's is within its tolerance below epsilon); None for a non-private run."""
+    if not plan.cfg.private:
+        return None
+    counts: dict[tuple[float, float], int] = {}
+    for m, k in plan.releases.items():
+        counts[(m.rate, plan.noise[m.name])] = counts.get((m.rate, plan.noise[m.name]), 0) + k
+    return {acc: epsilon_of(counts, plan.delta, acc) for acc in ACCOUNTANTS}
+
+
+def describe_plan(plan: RunPlan) -> dict:
+    """The plan as one JSON-friendly dict (what ``dpdro plan`` prints): algorithm, dataset, n (training records),
+    fitted (one line per batch key fitted to n), iterations, epsilon_target, delta, accountant, noise_mode;
+    model (factory, module_class, dtype, parameters, trainable_parameters, trainable, init_weights); problem
+    (num_classes, num_groups, dro: whether the algorithm optimises a DRO objective, keys: every config key the
+    algorithm reads with its value); releases (name, count, sampling_rate, noise_multiplier, in plan order) and
+    planned_epsilon (``planned_epsilon``). Reads only what the plan decided: releases nothing."""
+    cfg, algo = plan.cfg, plan.algo
+    values = cfg.to_dict()
+    return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
+            "iterations": cfg.iterations, "epsilon_target": cfg.epsilon, "delta": plan.delta,
+            "accountant": cfg.accountant, "noise_mode": cfg.noise_mode,
+            "model": {"factory": plan.factory, "module_class": describe_module_class(plan.model.module),
+                      "dtype": cfg.dtype, **plan.initial.facts()},
+            "problem": {"num_classes": algo.num_classes, "num_groups": algo.num_groups, "dro": bool(algo.spec.dro),
+                        "keys": {k: values[k] for k in algo.spec.keys}},
+            "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": plan.noise[m.name]}
+                         for m, k in plan.releases.items()],
+            "planned_epsilon": planned_epsilon(plan)}

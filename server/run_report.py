@@ -261,11 +261,20 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
             lines.append(f"- Epsilon against the server itself: {_fmt_eps(summary['epsilon_against_server'])}")
     else:
         lines.append("- **NOT PRIVATE**: epsilon = inf, no clipping and no noise.")
+    search = summary.get("private_search")
+    if search:  # the model was released by a private hyper-parameter search (simulations/private_tune.py)
+        lines.append(f"- Released by a private hyper-parameter search ({search['theorem']}): epsilon_total = "
+                     f"{_fmt_eps(search['epsilon_total'])} at delta {search['delta']:.3g} covers the whole search "
+                     "(every trial's training and noisy score, and the choice of this model)")
     lines += ["- Not accounted:"] + [f"  - {item}" for item in summary["not_accounted"]]
     lines += ["", f"## Results on the {split} split", "",
               f"- Accuracy {summary['test_accuracy']:.4f}, worst-class accuracy {summary['worst_class_accuracy']:.4f}"
               + (f", worst-group accuracy {summary['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in summary
                  else ""),
+              *([f"- Evaluated on the nodes' held-out records (eval-data=nodes): figures from noisy per-class counts "
+                 f"charged to the run's epsilon; standard errors: accuracy {summary['test_accuracy_se']:.4f}, "
+                 f"worst-class accuracy {summary['worst_class_accuracy_se']:.4f}"]
+                if "test_accuracy_se" in summary else []),
               *([f"- Still rising: {summary['worst_still_rising']}"] if summary.get("worst_still_rising") else []),
               "", "| class | accuracy |", "|---|---|"]
     lines += [f"| {c} | {'n/a' if a is None or (isinstance(a, float) and math.isnan(a)) else f'{a:.4f}'} |"

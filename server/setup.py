@@ -1,5 +1,5 @@
-"""Private statistics released once before training (ALGORITHMS.md 5.3 item 7, 5.4), charged to the run's
-ledger like every other release.
+"""Private statistics released once before training (docs/explanation/ALGORITHMS.md 5.3 item 7, 5.4), charged to the
+run's ledger like every other release.
 
 - 'class-histogram' (when a logit adjustment is configured with class-prior='private'): every record
   contributes its one-hot label e_y (norm 1, the null record 0, so the sensitivity is 1); the sum gets

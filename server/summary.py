@@ -11,6 +11,7 @@ import torch
 from .. import __version__
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.config import SEEDED_NOT_PRIVATE, Config
+from ..common.eval_counts import evaluates_on_nodes
 from .allocation import proxy_variance
 from .ledger import Ledger
 from .release import SECAGG_STEP_OVER_SHARE_STD
@@ -48,6 +49,9 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
         **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
+        # eval-data=nodes: where the figures come from and their standard errors (server/node_evaluation.py)
+        "eval_data": "nodes" if evaluates_on_nodes(cfg) else "server",
+        **{k: final[k] for k in ("test_accuracy_se", "worst_class_accuracy_se", "per_class_accuracy_se") if k in final},
         **{k: v for k, v in final.items() if k.startswith("eval_") and k != "eval_loss"},
         **algorithm_fields(cfg, setup, spider),
         "logit_adjust_tau": cfg.tau, "posthoc_tau": cfg.posthoc_tau, "class_prior": setup.prior_source,
@@ -100,7 +104,7 @@ def not_accounted(cfg: Config, setup) -> list[str]:
                    "public data by the user, not on the private records")
     if setup.prior_source == "public":
         out.append("class priors: declared public by the user (class-prior-values), not released from the data")
-    if cfg.eval_split == "validation":
+    if cfg.eval_split == "validation" and not evaluates_on_nodes(cfg):  # on the nodes: noisy counts, charged
         out.append("validation metrics: computed on held-out training records and reported without noise (for "
                    "tuning only)")
     if cfg.noise_mode == "distributed":
@@ -127,6 +131,9 @@ CHOSEN_ON_PRIVATE_TEXT = {
              "training records: not accounted",
     "posthoc-tau": "post-hoc tau chosen on a validation split of the private training records: not accounted "
                    "(applying a tau is post-processing; choosing it on private records is not)",
+    "posthoc-tau-noisy": "post-hoc tau chosen on a validation split of the private training records from noisy "
+                         "per-class counts (server/private_selection.py; its epsilon is in the tuned file's comment): "
+                         "differentially private by itself and composed with, not included in, this run's epsilon",
 }
 
 

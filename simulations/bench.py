@@ -353,7 +353,8 @@ def bench_flower(opts: BenchOptions) -> dict:
             "device": opts.device, "chunk-size": opts.chunk_size}
     tmp = Path(tempfile.mkdtemp(prefix="dpdro-bench-"))
     threads_before = torch.get_num_threads()
-    # each transport in both block orders (ALGORITHMS.md 3.4): sequential = 2 rounds per iteration, simultaneous = 1
+    # each transport in both block orders (docs/explanation/ALGORITHMS.md 3.4): sequential = 2 rounds per iteration,
+    # simultaneous = 1
     runs = {"single": [], "flower": [], "single-simultaneous": [], "flower-simultaneous": []}
     params = {}
     order = ["single", "flower", "single-simultaneous", "flower-simultaneous", "fedavg"]
@@ -490,7 +491,7 @@ def ratio_rows(res: dict) -> list[tuple[str, str, float, str, str]]:
                   f["ratio_per_iteration"], "<= 1.2", _verdict(f["ratio_per_iteration"], 1.2))]
         if "ratio_per_iteration_simultaneous" in f:
             rows.append(("d-iter-sim", "the same with block-order=simultaneous (one round per iteration instead of "
-                         "two; ALGORITHMS.md 3.4)", f["ratio_per_iteration_simultaneous"], "<= 1.2",
+                         "two; docs/explanation/ALGORITHMS.md 3.4)", f["ratio_per_iteration_simultaneous"], "<= 1.2",
                          _verdict(f["ratio_per_iteration_simultaneous"], 1.2)))
         if "fedavg_round" in f:
             rows.append(("d-floor", "seconds Flower adds per round to ours / a round of Flower's own FedAvg on "

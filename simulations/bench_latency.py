@@ -9,8 +9,8 @@ dpdro's DP Double-SPIDER next to Flower's own FedAvg strategy on the same SuperL
   ``evaluate_fn`` callback.
 - dpdro: ``dp-double-spider`` on MNIST-ST (2,000 training records, 500 test records, one partition per node,
   threads=1) in both block orders: 'sequential' (one release per message round: the eta block, then the x block,
-  2 rounds per iteration) and 'simultaneous' (both releases in one round; ALGORITHMS.md 3.4). Seconds per
-  round = (training loop wall time, without the two evaluations) / number of rounds, from metrics.csv and
+  2 rounds per iteration) and 'simultaneous' (both releases in one round; docs/explanation/ALGORITHMS.md 3.4). Seconds
+  per round = (training loop wall time, without the two evaluations) / number of rounds, from metrics.csv and
   summary.json. The same configuration single-node in this process (no Flower) gives the compute each round
   contains, so the transport's share can be set against FedAvg's round, which trains nothing.
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # sequential: the eta block, then the x block at the new eta, one release per round; simultaneous: both in one
-# round (ALGORITHMS.md 3.4)
+# round (docs/explanation/ALGORITHMS.md 3.4)
 ORDERS = ("sequential", "simultaneous")
 RELEASES_PER_ROUND = {"sequential": 1, "simultaneous": 2}
 

@@ -189,8 +189,8 @@ def audit_specs(slots: int) -> dict[str, AuditSpec]:
         "recursive-spider": AuditSpec({"algorithm": "recursive-spider", "iterations": 2, "q": 2, "epsilon": 12.0,
                                        "refresh-batch": slots, "diff-batch": half, "s-batch": half,
                                        "s-noise-ratio": 1.0}),
-        # group level (ALGORITHMS.md 3.3, 4.3): the K-vector group-loss releases (clip B), the weighted x releases
-        # (weight-after-clip: clip C_x max_k w_k) and the class histogram the group priors come from
+        # group level (docs/explanation/ALGORITHMS.md 3.3, 4.3): the K-vector group-loss releases (clip B), the weighted
+        # x releases (weight-after-clip: clip C_x max_k w_k) and the class histogram the group priors come from
         "dp-double-spider:group": AuditSpec({**spider, "epsilon": 12.0, "dro-level": "group", "psi": "kl",
                                              "dro-clip": "weight-after-clip", "weight-cap": 2.0}),
         "recursive-spider:group": AuditSpec({"algorithm": "recursive-spider", "dro-level": "group", "iterations": 2,
@@ -479,8 +479,9 @@ def report_lines(rows: Sequence[AuditRow], command: str, slots: int) -> list[str
 def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, max_releases: int = 20_000,
                      plan: Sequence[tuple[str, str, tuple[str, ...], str | None]] = DEFAULT_PLAN,
                      command: str = "dpdro lab audit --mode canary", progress=None) -> tuple[Path, list[AuditRow]]:
-    """Run every audit of ``plan`` and write the canary section of ``docs``/AUDIT.md (the other mode's section
-    is kept); returns (its path, the rows). ``progress(rows)`` is called with each audited configuration's rows."""
+    """Run every audit of ``plan`` and write the canary section of ``docs``/AUDIT.md (the other sections are kept;
+    an empty plan writes nothing); returns (its path, the rows). ``progress(rows)`` is called with each audited
+    configuration's rows. The node evaluation's audit has its own section (simulations/eval_audit.py)."""
     rows: list[AuditRow] = []
     for name, mode, mechanisms, broken in plan:
         new = audit_config(name, slots=slots, trials=trials, max_releases=max_releases, noise_mode=mode,
@@ -488,18 +489,22 @@ def run_canary_audit(docs: Path, *, slots: int = 1000, trials: int = 200_000, ma
         rows += new
         if progress is not None:
             progress(new)
-    path = write_section(docs / "AUDIT.md", "canary", report_lines(rows, command, slots))
+    path = docs / "AUDIT.md"
+    if rows:
+        write_section(path, "canary", report_lines(rows, command, slots))
     return path, rows
 
 
 SECTION_TITLES = {"canary": "## White-box canary audit of every release (`--mode canary`)",
-                  "mia": "## Membership inference against trained models (`--mode mia`)"}
+                  "mia": "## Membership inference against trained models (`--mode mia`)",
+                  "node-evaluation": "## White-box canary audit of the node evaluation (`--mode canary`, "
+                                     "eval-data=nodes)"}
 DOC_TITLE = "# Empirical privacy audit"
 
 
 def write_section(path: Path, mode: str, lines: Sequence[str]) -> Path:
-    """Replace (or add) the section of ``mode`` ('canary' or 'mia') in the audit document ``path``, between its
-    HTML comment markers, keeping the other section; the file is replaced atomically."""
+    """Replace (or add) the section of ``mode`` ('canary', 'mia' or 'node-evaluation') in the audit document
+    ``path``, between its HTML comment markers, keeping the other sections; the file is replaced atomically."""
     from ..common.atomic import atomic_write_bytes
 
     begin, end = f"<!-- audit:{mode} -->", f"<!-- /audit:{mode} -->"

@@ -1,4 +1,4 @@
-"""The hazards of ALGORITHMS.md 5.4, measured on MNIST-ST at epsilon 4: ``dpdro lab hazards``.
+"""The hazards of docs/explanation/ALGORITHMS.md 5.4, measured on MNIST-ST at epsilon 4: ``dpdro lab hazards``.
 
     dpdro lab hazards [--seeds 0 1 2] [--jobs 2] [--root runs/hazards] [--docs docs]
 
@@ -12,7 +12,7 @@ split with every seed and evaluated on the test split:
 - minority classes drown first: the logit-adjusted loss off / on;
 - the noise allocation: eta-noise-ratio ratios vs the variance rule;
 - eta initialisation: eta_0 = 0 vs the private mean loss;
-- the eta clip: eta-clip-rule fixed (biased) vs weight-bound (ALGORITHMS.md 3.1);
+- the eta clip: eta-clip-rule fixed (biased) vs weight-bound (docs/explanation/ALGORITHMS.md 3.1);
 - the scale of Algorithm 3's quantities: rs-clip-units absolute vs relative.
 
 A tuned configuration at dro-level=group gets the group level's own factors instead (GROUP_TOGGLES): the
@@ -48,8 +48,9 @@ TOGGLES = {
     "recursive-spider": [("rs-clip-units", "absolute"), ("rs-clip-units", "relative"), ("q", 1), ("q", 5),
                          ("clip-diff-max", 1.0), ("logit-adjust-tau", 0.0), ("logit-adjust-tau", 1.0)],
 }
-# At dro-level=group (ALGORITHMS.md 3.3, 4.3) the eta and s keys above are inert; the group level's own levers are the
-# divergence's centre, the averaging of the group losses (beta 1: none), the level itself, the clip form and q.
+# At dro-level=group (docs/explanation/ALGORITHMS.md 3.3, 4.3) the eta and s keys above are inert; the group level's own
+# levers are the divergence's centre, the averaging of the group losses (beta 1: none), the level itself, the clip form
+# and q.
 GROUP_TOGGLES = {
     "dp-double-spider": [("dro-reference", "prior"), ("dro-reference", "uniform"), ("dro-level", "record"),
                          ("beta", 1.0), ("q", 1), ("q", 5), ("logit-adjust-tau", 0.0), ("dro-clip", "product"),

@@ -102,13 +102,36 @@ def scan(models: list[Path], taus: list[float]) -> list[tuple[float, float, floa
     return [mean_terms([terms[i] for terms in per_model]) for i in range(len(taus))]
 
 
+def scan_private(models: list[Path], taus: list[float], epsilon: float, delta: float
+                 ) -> tuple[list[tuple[float, float, float]], float]:
+    """``scan`` through noisy counts (server/private_selection.py): every (model, tau) pair's per-class correct and
+    total counts on the validation split released with Gaussian noise, the len(models) x len(taus) releases
+    spending ``epsilon`` at ``delta`` together; returns (mean noisy terms per tau, epsilon spent)."""
+    from ..common.eval_counts import count_vector
+    from ..common.rng import secret_rng
+    from ..server.prediction import predict_posthoc_taus
+    from ..server.private_selection import release_counts
+
+    counts = []
+    for m in models:
+        for p in predict_posthoc_taus(m, "validation", taus):
+            counts.append(count_vector(p.predicted, p.labels, p.scores.shape[1]))
+    release = release_counts(counts, epsilon, delta, secret_rng())
+    per_model = [release.metrics[i * len(taus):(i + 1) * len(taus)] for i in range(len(models))]
+    return ([mean_terms([evaluation_terms(rows[i]) for rows in per_model]) for i in range(len(taus))],
+            release.epsilon)
+
+
 def choose_posthoc_tau(dataset: str, epsilon: float, methods: list[str], root: Path, configs: Path,
                        grid: tuple[float, ...] = TAU_GRID, seeds: int = 1, jobs: int = 2,
-                       min_accuracy: float = 0.0) -> dict[str, TauChoice]:
+                       min_accuracy: float = 0.0, selection_epsilon: float | None = None) -> dict[str, TauChoice]:
     """Choose each method's post-hoc tau on the validation split and rewrite its tuned file (module docstring).
 
     grid: taus >= 0 (the file's own tau is evaluated too); seeds >= 1 validation models per method; min_accuracy
-    in [0, 1]. Returns method -> TauChoice for the methods whose file releases priors; methods without a tuned
+    in [0, 1]. ``selection_epsilon``: choose from noisy counts (``scan_private``) spending this epsilon per method at
+    delta 1/(10 n_val) of its validation split, and mark the file 'posthoc-tau-noisy' instead of 'posthoc-tau'
+    (the choice is differentially private by itself; not_accounted says it composes with the run's epsilon).
+    Returns method -> TauChoice for the methods whose file releases priors; methods without a tuned
     file or without priors are logged and skipped. Raises ConfigError (a ValueError) for a bad argument or a bad
     key in a file, before any training."""
     from ..common.config import ConfigError
@@ -140,13 +163,20 @@ def choose_posthoc_tau(dataset: str, epsilon: float, methods: list[str], root: P
         previous = float(keys.get("posthoc-tau", 0.0))
         taus = sorted({*map(float, grid), previous})
         models = tuple(Path(c.out_dir) for c in cfgs)
-        terms = scan(list(models), taus)
+        if selection_epsilon is not None:
+            from ..common.data import load_from_config
+
+            delta = 0.1 / len(load_from_config(cfgs[0], train=False))  # the validation split (eval-split)
+            terms, spent = scan_private(list(models), taus, selection_epsilon, delta)
+            log.info("%s: tau chosen from noisy counts, epsilon %.4g at delta %.3g", method, spent, delta)
+        else:
+            terms = scan(list(models), taus)
         best = choose_by_terms(terms, min_accuracy)
         choice = TauChoice(method, previous, terms[taus.index(previous)], None if best is None else taus[best],
                            None if best is None else terms[best], models, path)
         # a second call that keeps the tau leaves the file (and its line with the first call's figures) alone
         if best is not None and (choice.chosen != previous or _OURS not in path.read_text()):
-            rewrite(path, choice, dataset, epsilon, grid, min_accuracy)
+            rewrite(path, choice, dataset, epsilon, grid, min_accuracy, selection_epsilon)
         choices[method] = choice
     return choices
 
@@ -155,13 +185,15 @@ def _fmt_terms(terms: tuple[float, float, float]) -> str:
     return f"validation worst {terms[0]:.3f}, two lowest {terms[1]:.3f}, accuracy {terms[2]:.3f}"
 
 
-def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, min_accuracy: float) -> None:
+def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, min_accuracy: float,
+            selection_epsilon: float | None = None) -> None:
     """Set ``choice.chosen`` as the file's posthoc-tau (atomic) and add the comment line that says how it was
     chosen (an earlier such line of this step is replaced); the other keys and their order stay."""
     from .tune import write_toml
 
     text = path.read_text()
-    keys = with_chosen_on_private({**tomllib.loads(text), "posthoc-tau": choice.chosen}, "posthoc-tau")
+    item = "posthoc-tau" if selection_epsilon is None else "posthoc-tau-noisy"
+    keys = with_chosen_on_private({**tomllib.loads(text), "posthoc-tau": choice.chosen}, item)
     ours = f"# {RECHOSEN_MARK} on {dataset}'s {_OURS}"
     header = [line.replace(_NOTHING_CHOSEN, "Nothing of this data set chose these keys but posthoc-tau (below).")
               for line in leading_comments(text) if not line.startswith(ours)]
@@ -174,5 +206,7 @@ def rewrite(path: Path, choice: TauChoice, dataset: str, epsilon: float, grid, m
         f"the two lowest, then accuracy{floor}), mean over {len(choice.models)} model(s) of this file {split} "
         f"(seeds 1..{len(choice.models)}), over the taus "
         f"{', '.join(f'{t:g}' for t in grid)}: {choice.chosen:g} ({_fmt_terms(choice.chosen_terms)}) instead of "
-        f"{choice.previous:g} ({_fmt_terms(choice.previous_terms)}).")
+        f"{choice.previous:g} ({_fmt_terms(choice.previous_terms)})"
+        + (f", from noisy counts at selection epsilon {selection_epsilon:g}." if selection_epsilon is not None
+           else "."))
     write_toml(path, keys, "\n".join(header))

@@ -31,7 +31,10 @@ def run_one(values: dict, progress=None) -> tuple[str, str | None]:
         train_set, eval_set = load_from_config(cfg, True), load_from_config(cfg, False)
     except DataError as e:
         return cfg.out_dir, str(e)
-    train(cfg, LocalTransport(cfg, train_set), eval_set, resume=cfg.resume, progress=progress)
+    from ..server.node_evaluation import evaluates_on_nodes
+
+    held_out = eval_set if evaluates_on_nodes(cfg) else None  # eval-data=nodes: the clients evaluate
+    train(cfg, LocalTransport(cfg, train_set, held_out=held_out), eval_set, resume=cfg.resume, progress=progress)
     return cfg.out_dir, None
 
 

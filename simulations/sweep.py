@@ -64,7 +64,7 @@ PROFILES = {
         ("dp-sgd", "dp-sgd-la", "dp-double-spider", "recursive-spider", "dp-sgda", "dp-sgd-dual", "dp-spiderboost"),
         (1.0, 4.0, 8.0), (0, 1, 2), base={"eval-every": 100}, tuned_at=4.0,
     ),
-    # Meant for a GPU: the protocol of ALGORITHMS.md 6.3 at full length.
+    # Meant for a GPU: the protocol of docs/explanation/ALGORITHMS.md 6.3 at full length.
     "paper": Profile(
         "paper", ("mnist-st", "fashion-mnist-st", "cifar10-st", "celeba"),
         ("dp-sgd", "dp-sgd-dual", "dp-spiderboost", "dp-sgda", "dp-double-spider", "recursive-spider"),

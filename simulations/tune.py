@@ -52,8 +52,8 @@ at all; the files' first line and docs/research/RESULTS.md say where they came f
 
 Not privacy-accounted: the search reads noiseless validation metrics of private training records, so the
 chosen hyper-parameters depend on the private data beyond the runs' epsilon (the standard practice the
-results document states). Private selection (e.g. random stopping, Papernot & Steinke 2022) is not
-implemented.
+results document states). The accounted search (Papernot & Steinke 2022) is ``dpdro lab tune --private``:
+simulations/private_tune.py.
 """
 
 from __future__ import annotations
@@ -751,7 +751,8 @@ def tuning_report(entries: list[tuple[str, float]], methods: list[str], root: Pa
              "accuracy, ties broken by the mean of the two lowest class accuracies, then by the validation "
              "accuracy. Each method's best complete trials are trained again on more seeds and the best mean "
              "score wins. The test split is never used here. **The search is not privacy-accounted**: it reads "
-             "noiseless validation metrics of private training records. Levers of every method: step size, "
+             "noiseless validation metrics of private training records (the accounted search is `dpdro lab tune "
+             "--private`, docs/explanation/ALGORITHMS.md 5.7). Levers of every method: step size, "
              "refresh batch, post-hoc and training logit adjustment (dp-sgd: training tau 0), and its own keys "
              "(`common/algorithm_specs.py`). Shared keys: "
              + ", ".join(f"{k}={v}" for k, v in sorted(BASE.items())) + "; per data set: "

@@ -175,3 +175,15 @@ def test_cli_canary_mode_refuses_unknown_configurations_and_sizes(capsys):
     assert "--configs: none of ['dp-foo'] is audited; allowed: dp-double-spider" in capsys.readouterr().err
     assert main(["lab", "audit", "--mode", "canary", "--trials", "0"]) == 2
     assert "--trials: got 0; allowed: >= 1" in capsys.readouterr().err
+
+
+def test_the_node_evaluation_release_keeps_its_claim_and_half_its_noise_is_caught():
+    """The node evaluation's counts (eval-data=nodes) through the product's path: the correct release's lower bound
+    stays below its claimed epsilon and the negative control (half the noise) exceeds it (200,000 trials each)."""
+    from dpdro.simulations.eval_audit import audit_node_evaluation
+
+    correct = audit_node_evaluation(releases=50, classes=4000, clients=1, seed=3)
+    half = audit_node_evaluation(releases=50, classes=4000, clients=1, broken="noise-half", seed=3)
+    assert correct.claimed == pytest.approx(half.claimed) and 1.9 < correct.claimed < 2.0  # z = 2, delta 1e-5
+    assert not correct.flagged and correct.noise_ratio == pytest.approx(1.0, abs=0.02)
+    assert half.flagged and half.noise_ratio == pytest.approx(0.5, abs=0.01)

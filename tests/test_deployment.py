@@ -237,7 +237,7 @@ def test_loopback_deployment_trains_on_node_local_csv_files(tmp_path):
         "data-root": str(server_eval), "cache-dir": str(tmp_path / "cache"), "num-clients": 3, "iterations": 4,
         "q": 2, "refresh-batch": 60, "diff-batch": 30, "epsilon": 8.0, "eval-every": 2, "threads": 1,
         "reproducible": True, "reproducible-for-testing": True, "out-dir": str(out), "round-timeout": 300.0,
-        "on-client-failure": "drop", "min-clients": 2})
+        "on-client-failure": "drop", "min-clients": 2, "eval-data": "server"})  # the server's file, not auto's nodes
     summary, outcome = deploy_config(cfg, 3, tmp_path / "deploy", app_dir=ROOT, stream=False, timeout=900,
                                      node_data_roots=[*(str(p) for p in sites), str(tmp_path / "site3")])
     assert outcome.ok, f"{outcome.status} {outcome.details}\n{outcome.log_tail}"

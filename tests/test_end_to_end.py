@@ -20,7 +20,11 @@ pytestmark = pytest.mark.data
 
 
 def run_local(cfg, resume=False):
-    return train(cfg, LocalTransport(cfg, load_from_config(cfg, True)), load_from_config(cfg, False), resume=resume)
+    from dpdro.server.node_evaluation import evaluates_on_nodes
+
+    test = load_from_config(cfg, False)
+    held_out = test if evaluates_on_nodes(cfg) else None  # eval-data=nodes: the clients hold the evaluation records
+    return train(cfg, LocalTransport(cfg, load_from_config(cfg, True), held_out=held_out), test, resume=resume)
 
 
 def test_single_node_run_writes_run_directory(small_config):
@@ -220,7 +224,8 @@ ONE_ROUND = {"dro_level": "group", "block_order": "simultaneous"}
 @pytest.mark.flower
 @pytest.mark.parametrize(("algorithm", "keys"), [
     ("dp-double-spider", {}), ("dp-double-spider", ONE_ROUND), ("recursive-spider", {}), ("dp-sgd", {}),
-    ("dp-sgd-dual", {}), ("dp-spiderboost", {}), ("dp-sgda", {})])
+    ("dp-sgd-dual", {}), ("dp-spiderboost", {}), ("dp-sgda", {}),
+    ("dp-sgd", {"eval_data": "nodes", "eval_epsilon": 0.5})])  # the nodes evaluate their held-out records
 def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_superlink, algorithm, keys):
     from dpdro.launch.simulate import run_simulation
 

@@ -331,6 +331,20 @@ def test_every_run_writes_a_model_card_and_plots(finished):
         assert f"(plots/{name})" in card
 
 
+def test_the_summary_has_the_class_counts_and_a_released_models_card_states_epsilon_total(finished):
+    from dpdro.server.run_report import model_card
+
+    run, summary = finished
+    correct, total = summary["eval_class_correct"], summary["eval_class_total"]
+    assert [c / t for c, t in zip(correct, total, strict=True)] == pytest.approx(summary["per_class_accuracy"])
+    model = json.load(open(run / "model.json"))
+    block = {"epsilon_total": 3.51, "delta": 1e-5, "theorem": "Papernot & Steinke 2022, Theorem 2"}
+    card = model_card({**summary, "private_search": block}, model, [])
+    assert "private hyper-parameter search (Papernot & Steinke 2022, Theorem 2): epsilon_total = 3.51 at delta 1e-05" \
+        in card
+    assert "private hyper-parameter search" not in model_card(summary, model, [])
+
+
 def test_a_rerun_with_overwrite_replaces_the_model_files(overlap, tmp_path):
     run = tmp_path / "run"
     _cli_train({**KEYS, "out-dir": run})

@@ -99,3 +99,32 @@ def test_every_key_has_one_role_and_the_derived_key_lists():
     assert not {"lr-x", "clip-x", "epsilon", "iterations", "out-dir"} & set(DATA_KEYS)
     with pytest.raises(ValueError, match="unknown role"):
         keys_with_role("nonsense")
+
+
+def test_data_set_and_partition_specifics_come_from_their_registries(tmp_path, monkeypatch):
+    """What prediction and the model files need of a data set is a field of its DatasetSpec (input scaling,
+    model.json's preprocessing keys, the reader of a user's own records), and node-local is a partition entry:
+    nothing tests the names, so a new data set or partition is one entry."""
+    from dpdro.common.data import BUILTIN_INPUT_SCALING, DatasetSpec, describe_input_scaling, input_keys
+    from dpdro.common.partition import PARTITIONS, is_node_local
+
+    assert describe_input_scaling("mnist-st", {}) == BUILTIN_INPUT_SCALING
+    assert describe_input_scaling("csv", {"csv-bounds": "0:1"}) == (
+        "feature columns clipped to the declared public bounds (csv-bounds 0:1) and scaled to [-1, 1]: "
+        "2 (clip(x, lo, hi) - lo) / (hi - lo) - 1")
+    assert describe_input_scaling("csv", {}) == "as dpdro loads data set 'csv'"  # no csv-bounds given
+    assert describe_input_scaling("pkg.mod:load", {}) == "as dpdro loads data set 'pkg.mod:load'"
+    assert input_keys() == ("classes", "image-size", "image-channels", "image-mean", "image-std", "csv-label",
+                            "csv-features", "csv-group", "csv-bounds")
+    assert {n for n, s in DATASETS.items() if s.own_records is not None} == {"csv", "image-folder"}
+    (tmp_path / "train").mkdir()
+    (tmp_path / "images").mkdir()
+    csv, images = DATASETS["csv"].own_records, DATASETS["image-folder"].own_records
+    assert csv.is_data_root(tmp_path) and not csv.is_data_root(tmp_path / "x.csv")
+    assert images.is_data_root(tmp_path) and not images.is_data_root(tmp_path / "images")
+    # a plug-in data set states its own scaling and keys in its spec
+    monkeypatch.setitem(DATASETS, "toy-scaled", DatasetSpec(lambda *a: None, 2, "mlp", input_scaling="x / 7",
+                                                            input_keys=("toy-key",)))
+    assert describe_input_scaling("toy-scaled", {}) == "x / 7" and input_keys()[-1] == "toy-key"
+    assert [n for n in PARTITIONS if is_node_local(n)] == ["node-local"]
+    assert FIELD_BY_KEY["partition"].options == PARTITIONS.names() == ("iid", "dirichlet", "node-local")

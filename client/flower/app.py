@@ -39,6 +39,7 @@ from ...common.atomic import atomic_writer
 from ...common.config import Config, keys_with_role
 from ...common.errors import DpdroError
 from ...common.flower.wire import pack_replies, unpack_queries
+from ...common.partition import is_node_local
 
 app = ClientApp()
 log = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ class PartitionError(ValueError, DpdroError):
 
 
 NODE_KEYS = ("data-root", "cache-dir")  # node-config keys that override the run config on this node
-NODE_LOCAL = "node-local"  # config key partition: each node trains on the data its node config points at
 # The keys that can change which records a node holds (role 'data' in common/config.py): the shard-cache key.
 DATA_KEYS = keys_with_role("data")
 
@@ -73,7 +73,7 @@ def _config(context: Context) -> Config:
     if "dataset" in node and str(node["dataset"]) != cfg.dataset:
         raise PartitionError(f"node config dataset={node['dataset']!r}, but the run trains on dataset="
                              f"{cfg.dataset!r}: this site holds other data than the run expects")
-    if cfg.partition == NODE_LOCAL and "data-root" not in node:
+    if is_node_local(cfg.partition) and "data-root" not in node:
         raise PartitionError("partition='node-local' but this node's node config sets no data-root: start the "
                              "SuperNode with --node-config \"data-root='/site/data' ...\" (where this site keeps "
                              "its records)")
@@ -119,7 +119,7 @@ def _load_shard(cfg: Config, pid: int):
                                     str(z["name"]), groups, int(z["num_groups"]))
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:  # truncated: not a zip
             log.warning("shard cache %s unreadable (%s): rebuilding it", path, e)
-    if cfg.partition == NODE_LOCAL:
+    if is_node_local(cfg.partition):
         shard = _all_local_records(cfg)
     else:
         train = load_from_config(cfg, train=True)
@@ -136,14 +136,39 @@ def _load_shard(cfg: Config, pid: int):
     return shard
 
 
+def _load_held_out(cfg: Config, pid: int):
+    """The node's held-out records for eval-data=nodes (common/eval_counts.py), None otherwise: with
+    partition=node-local its own data's evaluation split (eval-split: test or validation), kept out of training
+    (``_all_local_records``); else its part of the evaluation split, partitioned as the training records. A node
+    whose data has no evaluation split holds none (it says so when asked to evaluate)."""
+    from ...common.data import DataError, load_from_config
+    from ...common.eval_counts import evaluates_on_nodes
+    from ...common.partition import make_partition
+
+    if not evaluates_on_nodes(cfg):
+        return None
+    try:
+        records = load_from_config(cfg, train=False)
+    except DataError as e:
+        log.warning("partition %d: no held-out records to evaluate on (%s)", pid, e)
+        return None
+    if is_node_local(cfg.partition):
+        return records
+    return records.subset(make_partition(cfg.data, records.y.numpy())[pid])
+
+
 def _all_local_records(cfg: Config):
     """Node-local data: every record the node's data-root holds, its training and test splits together (a single
     CSV file's or image folder's held-out part included): nobody evaluates on a site's records (the server
-    evaluates on its own data), so none is left out of training."""
+    evaluates on its own data), so none is left out of training. With eval-data=nodes only its training split: the
+    evaluation split is the node's held-out records."""
     import torch
 
     from ...common.data import ArrayDataset, load_from_config
+    from ...common.eval_counts import evaluates_on_nodes
 
+    if evaluates_on_nodes(cfg):  # eval-data=nodes: the evaluation split is held out (``_load_held_out``)
+        return load_from_config(cfg, "train")
     parts = [load_from_config(cfg, "train"), load_from_config(cfg, "test")]
     a, b = parts
     if a.num_classes != b.num_classes:
@@ -194,7 +219,7 @@ def _worker(cfg: Config, pid: int):
         shard = _load_shard(cfg, pid)
         for old in [k for k in _WORKERS if k[0] != run_key]:  # shards of an earlier run: free them
             del _WORKERS[old]
-        _WORKERS[key] = ShardWorker(cfg, shard, pid)
+        _WORKERS[key] = ShardWorker(cfg, shard, pid, held_out=_load_held_out(cfg, pid))
     return _WORKERS[key]
 
 

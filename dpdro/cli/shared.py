@@ -61,14 +61,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config.from_mapping(values)
 
 
-def refuse_node_local(cfg: Config) -> None:
-    """ConfigError for partition='node-local' in a command whose clients share one data set (train, simulate)."""
-    if cfg.partition == "node-local":
-        from dpdro.common.partition import NODE_LOCAL_ONLY_DEPLOYED
-
-        raise ConfigError(NODE_LOCAL_ONLY_DEPLOYED)
-
-
 def check_out(args: argparse.Namespace) -> None:
     """ConfigError naming --out when it is an existing folder (it names the file to write), before any work."""
     if args.out and Path(args.out).is_dir():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dpdro.common.config import check_device
+from dpdro.common.partition import refuse_node_local
 
 from . import shared
 
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from dpdro.launch.simulate import run_simulation
 
     check_device(cfg.device)  # the simulated clients compute on this machine
-    shared.refuse_node_local(cfg)  # before any process starts
+    refuse_node_local(cfg.partition)  # before any process starts
     with shared.own_children():
         summary = run_simulation(cfg, app_dir=shared.app_dir(args.app), stream=not args.quiet)
     shared.print_summary(summary, cfg.out_dir)

@@ -8,6 +8,8 @@ import math
 import os
 import sys
 
+from dpdro.common.partition import refuse_node_local
+
 from . import shared
 
 NAME = "train"
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_run_config(args.resume).with_updates({"out-dir": args.resume})
         if args.overwrite:
             cfg = cfg.with_updates({"overwrite": True})
-    shared.refuse_node_local(cfg)  # before any data is loaded
+    refuse_node_local(cfg.partition)  # before any data is loaded
     with _CtrlC() as ctrl_c:
         try:
             transport, test_set = prepare_local(cfg, resume=bool(args.resume))  # out-dir, device, then the data

@@ -1,4 +1,4 @@
-"""One state machine per algorithm (ALGORITHMS.md); ``make_algorithm`` picks one from the config.
+"""One state machine per algorithm (docs/explanation/ALGORITHMS.md); ``make_algorithm`` picks one from the config.
 
 Importing this package registers the built-in algorithms (``ALGORITHMS``, filled by ``register_algorithm``).
 """

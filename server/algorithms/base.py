@@ -57,7 +57,7 @@ STEP_SIZE_KEYS = ("lr-x", "lr-eta", "lr-lambda", "lr-p")
 
 def warmup_factor(t: int, warmup_iterations: int) -> float:
     """The step-size factor of iteration t (0-based) under a linear warm-up over W = ``warmup_iterations``
-    (ALGORITHMS.md 5.5):
+    (docs/explanation/ALGORITHMS.md 5.5):
     (t + 1) / W for t < W, 1 afterwards and when W = 0 (off). Depends on t and W only (public), so scaling
     the steps is post-processing of released values and costs no privacy. ValueError for t or W < 0."""
     if t < 0 or warmup_iterations < 0:
@@ -134,11 +134,12 @@ class Algorithm(ABC):
         if not c.private:
             return out
         profiles = self.noise_profiles()
-        for ref, diff in self.spider_pairs():
-            ratio = planned_phase_ratio(c.q, noise[diff], c.clip_diff_max, c.diff_batch, noise[ref],
+        for ref, diff in self.spider_pairs():  # SPIDER-type algorithms: their own keys q, clip-diff-max, diff-batch
+            p = self.params
+            ratio = planned_phase_ratio(p.q, noise[diff], p.clip_diff_max, p.diff_batch, noise[ref],
                                         profiles[ref].clip, c.refresh_batch)
             if ratio > 1.0:
-                out.append(f"{diff}: at the clip cap clip-diff-max={c.clip_diff_max:g}, the {c.q - 1} differences of a "
+                out.append(f"{diff}: at the clip cap clip-diff-max={p.clip_diff_max:g}, the {p.q - 1} differences of a "
                            f"phase add {ratio:.2f}x the noise std of '{ref}'; SPIDER then only adds noise unless "
                            "the step length keeps C_t = clip-diff * Delta_t well below the cap (lower q or "
                            "clip-diff-max, or raise diff-batch)")

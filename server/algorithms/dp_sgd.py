@@ -1,4 +1,5 @@
-"""Baselines that take one plain (not variance-reduced) DP gradient step per iteration (ALGORITHMS.md 6.1):
+"""Baselines that take one plain (not variance-reduced) DP gradient step per iteration
+(docs/explanation/ALGORITHMS.md 6.1):
 
 - ``dp-sgd`` (Abadi et al. 2016): ERM with cross-entropy; g_t = noisy mean of clip_{C_x}(grad l(x_t; xi))
   over a Poisson batch of expected size N (refresh-batch); x_{t+1} = x_t - gamma_x g_t.
@@ -48,6 +49,7 @@ class DpSgd(Algorithm):
 
     def init_state(self, x0: np.ndarray) -> SgdState:
         x0 = np.asarray(x0, dtype=np.float64)
+        # the flat cfg: this class also runs dp-sgd and dp-sgd-la, whose params hold no eta keys (dp-sgd-dual's do)
         return SgdState(x=x0.copy(), x_prev=x0.copy(), eta=self.cfg.eta_init)
 
     def versions(self, state: SgdState) -> dict[int, np.ndarray]:
@@ -66,7 +68,7 @@ class DpSgd(Algorithm):
         s = dataclasses.replace(state)
         s.x_prev, s.x = state.x, state.x - self.cfg.lr_x * g[: self.dim]
         if len(g) > self.dim:
-            s.eta = state.eta - self.cfg.lr_eta * float(g[self.dim])
+            s.eta = state.eta - self.cfg.lr_eta * float(g[self.dim])  # dp-sgd-dual only (init_state: why cfg)
         s.t = state.t + 1
         return s
 

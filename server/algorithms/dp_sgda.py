@@ -1,9 +1,10 @@
-"""DP stochastic gradient descent-ascent on the class-level DRO min-max (ALGORITHMS.md 6.1 (d)):
+"""DP stochastic gradient descent-ascent on the class-level DRO min-max (docs/explanation/ALGORITHMS.md 6.1 (d)):
 
     min_x max_{p in simplex_K} sum_k p_k l_k(x) - lambda KL(p || uniform_K),  l_k = mean loss of class k.
 
 The K groups are the classes, or with dro-groups=attribute the data set's declared group attribute (e.g. CelebA's
-4 cells 2 * Blond_Hair + Male): the same information the group-level paper methods get (ALGORITHMS.md 3.3).
+4 cells 2 * Blond_Hair + Male): the same information the group-level paper methods get
+(docs/explanation/ALGORITHMS.md 3.3).
 
 Per iteration, two releases on independent Poisson batches (one round), both at x_t:
   'class-stats': noisy sums of clip_{C_s}([e_y min(l, B) ; e_y]) -> per-class loss sums and counts;
@@ -52,10 +53,10 @@ class DpSgda(Algorithm):
     @property
     def k(self) -> int:
         """The number of groups: the K classes, or the declared group attribute's G (dro-groups=attribute)."""
-        return self.num_groups if self.cfg.dro_groups == "attribute" else self.num_classes
+        return self.num_groups if self.params.dro_groups == "attribute" else self.num_classes
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        return {"class-stats": NoiseProfile(2 * self.k, self.cfg.clip_stats, 1.0),
+        return {"class-stats": NoiseProfile(2 * self.k, self.params.clip_stats, 1.0),
                 "grad": NoiseProfile(self.dim, self.cfg.clip_x, 1.0)}
 
     def init_state(self, x0: np.ndarray) -> SgdaState:
@@ -67,22 +68,22 @@ class DpSgda(Algorithm):
         return {state.t: state.x}
 
     def queries(self, state: SgdaState) -> list[Query]:
-        c, t, k = self.cfg, state.t, self.k
+        c, p, t, k = self.cfg, self.params, state.t, self.k
         r = self.rate(c.refresh_batch)
         weights = tuple(float(w) for w in state.p / state.pi)
-        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(c.clip_stats),
+        return [Query(t, "class-stats", "class-loss-stats", (Point(t, 0.0),), r, c.clip(p.clip_stats),
                       2 * k, extra=(0.0,) * k),
                 Query(t, "grad", "class-weighted-grad", (Point(t, 0.0),), r, c.clip(c.clip_x), self.dim,
                       extra=weights)]
 
     def apply(self, state: SgdaState, released: dict[str, np.ndarray]) -> SgdaState:
-        c, k = self.cfg, self.k
+        c, pr, k = self.cfg, self.params, self.k
         expected = self.rate(c.refresh_batch) * self.n  # released means are sums / expected batch
         sums, counts = released["class-stats"][:k] * expected, released["class-stats"][k:] * expected
         counts = np.maximum(counts, 1.0)
-        class_loss = np.clip(sums / counts, 0.0, c.loss_bound)
+        class_loss = np.clip(sums / counts, 0.0, pr.loss_bound)
         s = dataclasses.replace(state)
-        logits = np.log(state.p) + c.lr_p * (class_loss - c.lambda_ * np.log(k * state.p))
+        logits = np.log(state.p) + pr.lr_p * (class_loss - c.lambda_ * np.log(k * state.p))
         p = np.exp(logits - logits.max())
         s.p = np.maximum(p / p.sum(), 1e-12)
         freq = counts / counts.sum()

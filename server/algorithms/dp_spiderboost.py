@@ -1,5 +1,5 @@
 """Private SpiderBoost (Arora et al. 2023) on z = (x, eta) of the psi-divergence dual, z treated as one
-variable: one SPIDER estimator, one clip and one Poisson batch per release (ALGORITHMS.md 6.1 (c)); the
+variable: one SPIDER estimator, one clip and one Poisson batch per release (docs/explanation/ALGORITHMS.md 6.1 (c)); the
 contrast with DP Double-SPIDER, which has separate estimators, clips and batches for x and eta.
 
     t mod q == 0: g_t = noisy mean of clip_{C_x}(grad_z L(z_t))                                'refresh'
@@ -37,23 +37,23 @@ class DpSpiderBoost(Algorithm):
 
 
     def mechanisms(self) -> list[Mechanism]:
-        c = self.cfg
-        return [Mechanism("refresh", self.rate(c.refresh_batch)), Mechanism("diff", self.rate(c.diff_batch))]
+        c, p = self.cfg, self.params
+        return [Mechanism("refresh", self.rate(c.refresh_batch)), Mechanism("diff", self.rate(p.diff_batch))]
 
     def plan(self) -> dict[Mechanism, int]:
-        refreshes = math.ceil(self.cfg.iterations / self.cfg.q)
+        refreshes = math.ceil(self.cfg.iterations / self.params.q)
         ref, diff = self.mechanisms()
         return {ref: refreshes, diff: self.cfg.iterations - refreshes}
 
     def init_state(self, x0: np.ndarray) -> SpiderBoostState:
         x0 = np.asarray(x0, dtype=np.float64)
-        e = self.cfg.eta_init
+        e = self.params.eta_init
         return SpiderBoostState(x=x0.copy(), x_prev=x0.copy(), eta=e, eta_prev=e, g=np.zeros(len(x0) + 1))
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        c = self.cfg
-        return {"refresh": NoiseProfile(self.dim + 1, c.clip_x, c.q),
-                "diff": NoiseProfile(self.dim + 1, c.clip_diff_max, c.q / 2)}
+        c, p = self.cfg, self.params
+        return {"refresh": NoiseProfile(self.dim + 1, c.clip_x, p.q),
+                "diff": NoiseProfile(self.dim + 1, p.clip_diff_max, p.q / 2)}
 
     def spider_pairs(self) -> list[tuple[str, str]]:
         return [("refresh", "diff")]
@@ -62,14 +62,14 @@ class DpSpiderBoost(Algorithm):
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
 
     def queries(self, state: SpiderBoostState) -> list[Query]:
-        c, t = self.cfg, state.t
+        c, p, t = self.cfg, self.params, state.t
         now = Point(t, state.eta)
-        if t % c.q == 0:
+        if t % p.q == 0:
             return [Query(t, "refresh", "dual-joint", (now,), self.rate(c.refresh_batch),
                           c.clip(c.clip_x), self.dim + 1)]
         dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.eta - state.eta_prev)
-        clip = c.clip(min(c.clip_diff * dist, c.clip_diff_max))
-        return [Query(t, "diff", "dual-joint", (now, Point(t - 1, state.eta_prev)), self.rate(c.diff_batch), clip,
+        clip = c.clip(min(p.clip_diff * dist, p.clip_diff_max))
+        return [Query(t, "diff", "dual-joint", (now, Point(t - 1, state.eta_prev)), self.rate(p.diff_batch), clip,
                       self.dim + 1)]
 
     def apply(self, state: SpiderBoostState, released: dict[str, np.ndarray]) -> SpiderBoostState:
@@ -77,7 +77,7 @@ class DpSpiderBoost(Algorithm):
         s = dataclasses.replace(state)
         s.g = g
         s.x_prev, s.x = state.x, state.x - self.cfg.lr_x * g[: self.dim]
-        s.eta_prev, s.eta = state.eta, state.eta - self.cfg.lr_eta * float(g[self.dim])
+        s.eta_prev, s.eta = state.eta, state.eta - self.params.lr_eta * float(g[self.dim])
         s.t = state.t + 1
         return s
 

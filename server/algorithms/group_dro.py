@@ -1,4 +1,4 @@
-"""Group-level DRO in the paper's two frameworks (config dro-level=group; ALGORITHMS.md 3.3 and 4.3).
+"""Group-level DRO in the paper's two frameworks (config dro-level=group; docs/explanation/ALGORITHMS.md 3.3 and 4.3).
 
 The uncertainty set is over groups (the K classes) instead of records: with pi the group frequencies, l_k(x) the
 mean loss of group k and r the divergence's reference distribution (dro-reference: r = pi, the paper's centre, the
@@ -35,9 +35,9 @@ Each iteration makes two releases in two rounds, both over independent Poisson b
      C_max): the weights change between the two points, and both bounds are public.
      x_{t+1} = x_t - lr-x b_t.
 
-block-order=simultaneous (ALGORITHMS.md 3.4): stage 1's release at x_t uses the weights w_t computed from release
-t - 1 (w_0 = 1) and goes out with stage 0's release at x_t in one round; the weights from release t are used at
-x_{t+1}. Same releases and clips, one round per iteration instead of two.
+block-order=simultaneous (docs/explanation/ALGORITHMS.md 3.4): stage 1's release at x_t uses the weights w_t computed
+from release t - 1 (w_0 = 1) and goes out with stage 0's release at x_t in one round; the weights from release t are
+used at x_{t+1}. Same releases and clips, one round per iteration instead of two.
 
 Every per-record vector has a public clip, so each release is a Poisson-subsampled Gaussian mechanism in the
 ledger like the record-level releases; the group losses cost a K-dimensional release per iteration.
@@ -107,28 +107,28 @@ class GroupDro(Algorithm):
     @property
     def k(self) -> int:
         """The number of groups: the classes, or the declared group attribute's G (dro-groups=attribute)."""
-        return self.num_groups if self.cfg.dro_groups == "attribute" else self.num_classes
+        return self.num_groups if self.params.dro_groups == "attribute" else self.num_classes
 
     @property
     def weight_after_clip(self) -> bool:
-        return self.cfg.dro_clip == "weight-after-clip"
+        return self.params.dro_clip == "weight-after-clip"
 
     def mechanisms(self) -> list[Mechanism]:
-        c = self.cfg
-        quantile = ([Mechanism("x-diff" + levers.QUANTILE_SUFFIX, self.rate(c.diff_batch),
-                               c.clip_diff_quantile_noise_ratio)] if levers.quantile_rule(c) else [])
+        c, p = self.cfg, self.params
+        quantile = ([Mechanism("x-diff" + levers.QUANTILE_SUFFIX, self.rate(p.diff_batch),
+                               p.clip_diff_quantile_noise_ratio)] if levers.quantile_rule(p) else [])
         return [*self.loss_mechanism_list(), Mechanism("x-refresh", self.rate(c.refresh_batch)),
-                Mechanism("x-diff", self.rate(c.diff_batch)), *quantile]
+                Mechanism("x-diff", self.rate(p.diff_batch)), *quantile]
 
     def loss_mechanism_list(self) -> list[Mechanism]:
         raise NotImplementedError
 
     def plan(self) -> dict[Mechanism, int]:
-        T, q = self.cfg.iterations, self.cfg.q
+        T, q = self.cfg.iterations, self.params.q
         refreshes = math.ceil(T / q)
         m = {mech.name: mech for mech in self.mechanisms()}
         out = {m["x-refresh"]: refreshes, m["x-diff"]: T - refreshes}
-        if levers.quantile_rule(self.cfg):
+        if levers.quantile_rule(self.params):
             out[m["x-diff" + levers.QUANTILE_SUFFIX]] = T - refreshes
         out.update(self.loss_plan(m, T, refreshes))
         return out
@@ -145,7 +145,7 @@ class GroupDro(Algorithm):
         uniform = np.full(k, 1.0 / k)
         return GroupState(x=x0.copy(), x_prev=x0.copy(), b=np.zeros_like(x0), m=np.zeros(k), m_avg=np.zeros(k),
                           pi=uniform, w=np.ones(k), w_prev=np.ones(k), dual=self.dual_init(),
-                          dual_prev=self.dual_init(), ref=uniform.copy(), clip_diff=self.cfg.clip_diff)
+                          dual_prev=self.dual_init(), ref=uniform.copy(), clip_diff=self.params.clip_diff)
 
     def start_state(self, x0: np.ndarray, eta0: float | None = None,
                     priors: tuple[float, ...] | None = None) -> GroupState:
@@ -155,7 +155,7 @@ class GroupDro(Algorithm):
             raise ValueError(f"dro-level=group needs the {self.k} group priors of the setup release, got {priors!r}")
         state = self.init_state(x0)
         state.pi = np.asarray(priors, dtype=np.float64)
-        if self.cfg.dro_reference == "prior":
+        if self.params.dro_reference == "prior":
             state.ref = state.pi.copy()
         return state
 
@@ -164,12 +164,12 @@ class GroupDro(Algorithm):
 
     def group_losses(self, state: GroupState, m: np.ndarray) -> np.ndarray:
         """l^_k = min(max(m_k / pi_k, 0), B) (K,): post-processing of the released sums and priors."""
-        return np.clip(m / state.pi, 0.0, self.cfg.loss_bound)
+        return np.clip(m / state.pi, 0.0, self.params.loss_bound)
 
     @staticmethod
     def record_weights(state: GroupState, v: np.ndarray) -> np.ndarray:
         """The record weights w_k = r_k v_k / pi_k (K,) from the ratios v_k = q_k / r_k: the gradient
-        sum_k q_k grad l_k is (1/n) sum_i w_{y_i} grad l_i (ALGORITHMS.md 3.3). w = v when r = pi."""
+        sum_k q_k grad l_k is (1/n) sum_i w_{y_i} grad l_i (docs/explanation/ALGORITHMS.md 3.3). w = v when r = pi."""
         return state.ref * v / state.pi
 
     def _weight_clip(self, w: np.ndarray) -> float:
@@ -181,36 +181,35 @@ class GroupDro(Algorithm):
     def diff_threshold(self, state: GroupState) -> float:
         """The difference clip before its cap: C_diff,t W_t ||x_t - x_{t-1}|| + C_x max_k |w_k - w'_k| (module
         docstring), C_diff,t the one in effect (diff_levers.clip_diff_now); public."""
-        c = self.cfg
         dx = float(np.linalg.norm(state.x - state.x_prev))
         w_top = max(float(np.max(state.w)), float(np.max(state.w_prev))) if self.weight_after_clip else 1.0
         dw = float(np.max(np.abs(state.w - state.w_prev)))
-        return levers.clip_diff_now(c, state.clip_diff) * w_top * dx + c.clip_x * dw
+        return levers.clip_diff_now(self.params, state.clip_diff) * w_top * dx + self.cfg.clip_x * dw
 
     def x_queries(self, state: GroupState) -> list[Query]:
         """The x block's release at x_t: 'x-refresh', or 'x-diff' (a SPIDER difference, or a STORM term with
         x-estimator='storm') and with clip-diff-rule='private-quantile' its count release (diff_levers.py)."""
-        c, t = self.cfg, state.t
+        c, p, t = self.cfg, self.params, state.t
         grad_clip = c.clip(c.clip_x) if self.weight_after_clip else math.inf
-        if t % c.q == 0:
+        if t % p.q == 0:
             extra = (grad_clip, self.k, *state.w)
             return [Query(t, "x-refresh", "group-weighted-grad", (Point(t, 0.0),), self.rate(c.refresh_batch),
                           c.clip(self._weight_clip(state.w)), self.dim, extra=extra)]
         threshold = self.diff_threshold(state)
-        a = levers.storm_a(c)
-        clip = c.clip(levers.storm_clip(a, self._weight_clip(state.w), min(threshold, c.clip_diff_max)))
+        a = levers.storm_a(p)
+        clip = c.clip(levers.storm_clip(a, self._weight_clip(state.w), min(threshold, p.clip_diff_max)))
         extra = (grad_clip, self.k, *state.w, *state.w_prev)
         diff = Query(t, "x-diff", "group-weighted-grad", (Point(t, 0.0), Point(t - 1, 1.0)),
-                     self.rate(c.diff_batch), clip, self.dim, coefs=levers.storm_coefs(a), extra=extra)
-        if not levers.quantile_rule(c):
+                     self.rate(p.diff_batch), clip, self.dim, coefs=levers.storm_coefs(a), extra=extra)
+        if not levers.quantile_rule(p):
             return [diff]
-        return [diff, levers.quantile_query(diff, threshold, self.rate(c.diff_batch))]
+        return [diff, levers.quantile_query(diff, threshold, self.rate(p.diff_batch))]
 
     @property
     def simultaneous(self) -> bool:
         """block-order=simultaneous: the x block at x_t with the weights w_t of release t - 1, sent in the same
         round as the group-loss release at x_t (one round per iteration; w_0 = 1, ERM's first step)."""
-        return self.cfg.block_order == "simultaneous"
+        return self.params.block_order == "simultaneous"
 
     def queries(self, state: GroupState) -> list[Query]:
         if self.simultaneous:
@@ -238,15 +237,15 @@ class GroupDro(Algorithm):
     def _x_step(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
         """x_{t+1} = x_t - lr-x b_t from the x release; t + 1, stage 0."""
         s = dataclasses.replace(state)
-        c = self.cfg
+        c, p = self.cfg, self.params
         if "x-refresh" in released:
             s.b = released["x-refresh"]
         else:
-            s.b = levers.estimate(state.b, released["x-diff"], levers.storm_a(c))
+            s.b = levers.estimate(state.b, released["x-diff"], levers.storm_a(p))
         count = released.get("x-diff" + levers.QUANTILE_SUFFIX)
         if count is not None:
-            s.clip_diff = levers.next_clip_diff(levers.clip_diff_now(c, state.clip_diff), float(count[0]),
-                                                c.clip_diff_quantile, c.clip_diff_quantile_lr)
+            s.clip_diff = levers.next_clip_diff(levers.clip_diff_now(p, state.clip_diff), float(count[0]),
+                                                p.clip_diff_quantile, p.clip_diff_quantile_lr)
         s.x_prev, s.x = state.x, state.x - c.lr_x * s.b
         s.t, s.stage = state.t + 1, 0
         return s
@@ -257,18 +256,18 @@ class GroupDro(Algorithm):
     def diagnostics(self, state: GroupState) -> dict[str, float]:
         out = {"dual": state.dual, "w_max": float(np.max(state.w)), "w_min": float(np.min(state.w)),
                "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
-        if levers.quantile_rule(self.cfg):
-            out["clip_diff"] = levers.clip_diff_now(self.cfg, state.clip_diff)
+        if levers.quantile_rule(self.params):
+            out["clip_diff"] = levers.clip_diff_now(self.params, state.clip_diff)
         return out
 
     def x_profiles(self) -> dict[str, NoiseProfile]:
-        c = self.cfg
-        w_nominal = c.weight_cap if self.weight_after_clip and math.isfinite(c.weight_cap) else 1.0
-        a = levers.storm_a(c)
-        w_ref, w_diff = levers.storm_weights(c.q, a)
+        c, p = self.cfg, self.params
+        w_nominal = p.weight_cap if self.weight_after_clip and math.isfinite(p.weight_cap) else 1.0
+        a = levers.storm_a(p)
+        w_ref, w_diff = levers.storm_weights(p.q, a)
         out = {"x-refresh": NoiseProfile(self.dim, c.clip_x * w_nominal, w_ref),
-               "x-diff": NoiseProfile(self.dim, levers.storm_clip(a, c.clip_x * w_nominal, c.clip_diff_max), w_diff)}
-        if levers.quantile_rule(c):
+               "x-diff": NoiseProfile(self.dim, levers.storm_clip(a, c.clip_x * w_nominal, p.clip_diff_max), w_diff)}
+        if levers.quantile_rule(p):
             out["x-diff" + levers.QUANTILE_SUFFIX] = NoiseProfile(1, 1.0, 1.0)
         return out
 
@@ -277,8 +276,8 @@ class GroupDro(Algorithm):
         x coordinate: an error e in m_k moves l^_k by e / pi_k and w_k by about w_k e / (pi_k lambda), which moves
         the update by pi_k that times |grad l_k| <= C_x: (C_x W / lambda)^2 in variance, W the nominal weight
         (server/allocation.py's proxy)."""
-        c = self.cfg
-        w = c.weight_cap if math.isfinite(c.weight_cap) else 3.0
+        c, p = self.cfg, self.params
+        w = p.weight_cap if math.isfinite(p.weight_cap) else 3.0
         return (c.clip_x * w / self.dual_scale()) ** 2
 
     def dual_scale(self) -> float:
@@ -307,7 +306,7 @@ def averaged(average: np.ndarray, release: np.ndarray, beta: float, t: int) -> n
 
 def solve_eta(losses: np.ndarray, pi: np.ndarray, psi, lam: float, eta_scale: float, cap: float) -> float:
     """The dual variable eta with sum_k pi_k min(psi*'((l_k - G eta) / lambda), cap) = 1, by bisection (the sum is
-    non-increasing in eta and exceeds 1 for eta low enough when cap > 1; ALGORITHMS.md 3.3).
+    non-increasing in eta and exceeds 1 for eta low enough when cap > 1; docs/explanation/ALGORITHMS.md 3.3).
 
     losses, pi: (K,) float64 (pi > 0, sum 1); returns eta (float). Post-processing of public values only."""
     lt = torch.as_tensor(losses, dtype=torch.float64)
@@ -339,9 +338,9 @@ class GroupDoubleSpider(GroupDro):
     """dp-double-spider with dro-level=group: SPIDER group-loss sums smoothed by beta, eta solved exactly."""
 
     def loss_mechanism_list(self) -> list[Mechanism]:
-        c = self.cfg
-        return [Mechanism("group-refresh", self.rate(c.refresh_batch), c.eta_noise_ratio),
-                Mechanism("group-diff", self.rate(c.diff_batch), c.eta_noise_ratio)]
+        c, p = self.cfg, self.params
+        return [Mechanism("group-refresh", self.rate(c.refresh_batch), p.eta_noise_ratio),
+                Mechanism("group-diff", self.rate(p.diff_batch), p.eta_noise_ratio)]
 
     def loss_plan(self, m, T, refreshes):
         return {m["group-refresh"]: refreshes, m["group-diff"]: T - refreshes}
@@ -354,36 +353,36 @@ class GroupDoubleSpider(GroupDro):
         # exponential average's stationary factor for independent noises, so the rule (server/allocation.py) gives
         # the group releases less of the budget the smaller beta is (measured: at beta 0.02 the x-refresh
         # multiplier was 2.96 when the profile ignored the average)
-        c = self.cfg
-        imp = self.loss_importance() * max(c.beta / (2.0 - c.beta), 1.0 / c.iterations)  # beta 0: the mean of T
-        return {"group-refresh": NoiseProfile(self.k, c.loss_bound, c.q * imp),
-                "group-diff": NoiseProfile(self.k, c.loss_bound, c.q / 2 * imp), **self.x_profiles()}
+        c, p = self.cfg, self.params
+        imp = self.loss_importance() * max(p.beta / (2.0 - p.beta), 1.0 / c.iterations)  # beta 0: the mean of T
+        return {"group-refresh": NoiseProfile(self.k, p.loss_bound, p.q * imp),
+                "group-diff": NoiseProfile(self.k, p.loss_bound, p.q / 2 * imp), **self.x_profiles()}
 
     def dual_init(self) -> float:
-        return self.cfg.eta_init
+        return self.params.eta_init
 
     def loss_query(self, state: GroupState) -> Query:
-        c, t = self.cfg, state.t
+        c, p, t = self.cfg, self.params, state.t
         extra = (0.0,) * self.k
-        if t % c.q == 0:
+        if t % p.q == 0:
             return Query(t, "group-refresh", "group-loss", (Point(t, 0.0),), self.rate(c.refresh_batch),
-                         c.clip(c.loss_bound), self.k, extra=extra)
+                         c.clip(p.loss_bound), self.k, extra=extra)
         dx = float(np.linalg.norm(state.x - state.x_prev))
-        return Query(t, "group-diff", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(c.diff_batch),
-                     c.clip(min(c.clip_diff * dx, c.loss_bound)), self.k, extra=extra)
+        return Query(t, "group-diff", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(p.diff_batch),
+                     c.clip(min(p.clip_diff * dx, p.loss_bound)), self.k, extra=extra)
 
     def absorb_losses(self, state, released):
         s = dataclasses.replace(state)
         s.m = released["group-refresh"] if "group-refresh" in released else state.m + released["group-diff"]
-        s.m_avg = averaged(state.m_avg, s.m, self.cfg.beta, state.t)
+        s.m_avg = averaged(state.m_avg, s.m, self.params.beta, state.t)
         return s
 
     def weights(self, state, losses):
-        c = self.cfg
+        c, p = self.cfg, self.params
         psi = make_psi(c.psi, c.cvar_alpha)
-        cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
-        eta = solve_eta(losses, state.ref, psi, c.lambda_, c.eta_scale, cap)
-        v = psi.weight(torch.as_tensor((losses - c.eta_scale * eta) / c.lambda_, dtype=torch.float64)).numpy()
+        cap = p.weight_cap if math.isfinite(p.weight_cap) else math.inf
+        eta = solve_eta(losses, state.ref, psi, c.lambda_, p.eta_scale, cap)
+        v = psi.weight(torch.as_tensor((losses - p.eta_scale * eta) / c.lambda_, dtype=torch.float64)).numpy()
         return self.record_weights(state, np.minimum(v, cap)), eta
 
 
@@ -392,48 +391,48 @@ class GroupRecursiveSpider(GroupDro):
     gradient."""
 
     def loss_mechanism_list(self) -> list[Mechanism]:
-        return [Mechanism("group-storm", self.rate(self.cfg.s_batch), self.cfg.s_noise_ratio)]
+        return [Mechanism("group-storm", self.rate(self.params.s_batch), self.params.s_noise_ratio)]
 
     def loss_plan(self, m, T, refreshes):
         return {m["group-storm"]: T}
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
-        c = self.cfg
-        storm = 1.0 / (1.0 - (1.0 - c.beta) ** 2) if c.beta > 0 else float(c.iterations)
-        return {"group-storm": NoiseProfile(self.k, c.loss_bound, storm * self.loss_importance()),
+        c, p = self.cfg, self.params
+        storm = 1.0 / (1.0 - (1.0 - p.beta) ** 2) if p.beta > 0 else float(c.iterations)
+        return {"group-storm": NoiseProfile(self.k, p.loss_bound, storm * self.loss_importance()),
                 **self.x_profiles()}
 
     def dual_init(self) -> float:
-        return self.cfg.lambda_init
+        return self.params.lambda_init
 
     def dual_scale(self) -> float:
-        return self.cfg.lambda_init
+        return self.params.lambda_init
 
     def loss_query(self, state: GroupState) -> Query:
-        c, t = self.cfg, state.t
+        c, p, t = self.cfg, self.params, state.t
         extra = (0.0,) * self.k
         if t == 0:
-            return Query(t, "group-storm", "group-loss", (Point(t, 0.0),), self.rate(c.s_batch),
-                         c.clip(c.loss_bound), self.k, extra=extra)
+            return Query(t, "group-storm", "group-loss", (Point(t, 0.0),), self.rate(p.s_batch),
+                         c.clip(p.loss_bound), self.k, extra=extra)
         dx = float(np.linalg.norm(state.x - state.x_prev))
-        clip = c.clip(min(c.beta * c.loss_bound + c.clip_diff * dx, c.loss_bound))
-        return Query(t, "group-storm", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(c.s_batch),
-                     clip, self.k, coefs=(1.0, -(1.0 - c.beta)), extra=extra)
+        clip = c.clip(min(p.beta * p.loss_bound + p.clip_diff * dx, p.loss_bound))
+        return Query(t, "group-storm", "group-loss", (Point(t, 0.0), Point(t - 1, 0.0)), self.rate(p.s_batch),
+                     clip, self.k, coefs=(1.0, -(1.0 - p.beta)), extra=extra)
 
     def absorb_losses(self, state, released):
         s = dataclasses.replace(state)
         term = released["group-storm"]
-        s.m = term if state.t == 0 else term + (1.0 - self.cfg.beta) * state.m
+        s.m = term if state.t == 0 else term + (1.0 - self.params.beta) * state.m
         s.m_avg = s.m
         return s
 
     def weights(self, state, losses):
-        c, lam = self.cfg, state.dual
-        g = np.exp((losses - c.loss_bound) / lam)
+        p, lam = self.params, state.dual
+        g = np.exp((losses - p.loss_bound) / lam)
         s = float(np.dot(state.ref, g))
         v = g / s
-        z_lam = math.log(s) + c.rho + float(np.dot(state.ref * v, c.loss_bound - losses)) / lam
+        z_lam = math.log(s) + p.rho + float(np.dot(state.ref * v, p.loss_bound - losses)) / lam
         state.s = s
-        new_lam = min(max(lam - c.lr_lambda * z_lam, c.lambda0), c.lambda_max)
-        cap = c.weight_cap if math.isfinite(c.weight_cap) else math.inf
+        new_lam = min(max(lam - p.lr_lambda * z_lam, p.lambda0), p.lambda_max)
+        cap = p.weight_cap if math.isfinite(p.weight_cap) else math.inf
         return self.record_weights(state, np.minimum(v, cap)), new_lam

@@ -1,4 +1,4 @@
-"""DP Recursive-Spider (seed paper, Algorithm 3; ALGORITHMS.md sections 2 and 4).
+"""DP Recursive-Spider (seed paper, Algorithm 3; docs/explanation/ALGORITHMS.md sections 2 and 4).
 
 KL-constrained DRO as a compositional problem over w = (x, lambda):
 
@@ -22,12 +22,13 @@ Update (post-processing of released values; simultaneous, both at w_t):
 
 The v/u release of one batch is one sampled Gaussian event (joint clip); the s release is its own event.
 
-rs-clip-units=relative (ALGORITHMS.md 5.4): each record's v/u vector is multiplied by k_t = lambda_t / s_{t-1}
-(public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
+rs-clip-units=relative (docs/explanation/ALGORITHMS.md 5.4): each record's v/u vector is multiplied by k_t = lambda_t /
+s_{t-1} (public: both released) before the clip and the released mean is divided by k_t, so that clip-x, clip-diff
 and clip-diff-max bound a record's contribution to the update z = lambda v / s itself, whatever the scale of
 g~ (which can be e^{-B/lambda}, far below 1). s_{-1} = 1.
 
-s-clip-units=relative (ALGORITHMS.md 2.5): the STORM term of s is released in units of the previous estimate,
+s-clip-units=relative (docs/explanation/ALGORITHMS.md 2.5): the STORM term of s is released in units of the
+previous estimate,
 
     m_t = noisy mean of clip_{C_s}((g~(w_t) - (1 - beta) g~(w_{t-1})) / s_{t-1}),
     s_t = (1 - beta) s_{t-1} + s_{t-1} m_t          (t = 0: s_0 = s_{-1} m_0, m_0 of g~(w_0) / s_{-1}),
@@ -81,20 +82,20 @@ class RecursiveSpider(Algorithm):
         return GroupRecursiveSpider if cfg.dro_level == "group" else cls
 
     def mechanisms(self) -> list[Mechanism]:
-        c = self.cfg
-        return [Mechanism("vu-refresh", self.rate(c.refresh_batch)), Mechanism("vu-diff", self.rate(c.diff_batch)),
-                Mechanism("s", self.rate(c.s_batch), c.s_noise_ratio)]
+        c, p = self.cfg, self.params
+        return [Mechanism("vu-refresh", self.rate(c.refresh_batch)), Mechanism("vu-diff", self.rate(p.diff_batch)),
+                Mechanism("s", self.rate(p.s_batch), p.s_noise_ratio)]
 
     def plan(self) -> dict[Mechanism, int]:
-        T, q = self.cfg.iterations, self.cfg.q
+        T, q = self.cfg.iterations, self.params.q
         refreshes = math.ceil(T / q)
         m = {mech.name: mech for mech in self.mechanisms()}
         return {m["vu-refresh"]: refreshes, m["vu-diff"]: T - refreshes, m["s"]: T}
 
     def init_state(self, x0: np.ndarray) -> RecursiveSpiderState:
         x0 = np.asarray(x0, dtype=np.float64)
-        lam = self.cfg.lambda_init
-        s0 = self.s_prior() if self.cfg.s_clip_units == "relative" else 1.0
+        lam = self.params.lambda_init
+        s0 = self.s_prior() if self.params.s_clip_units == "relative" else 1.0
         return RecursiveSpiderState(x=x0.copy(), x_prev=x0.copy(), lam=lam, lam_prev=lam, v=np.zeros_like(x0),
                                     s=s0, s_raw=s0)
 
@@ -103,8 +104,8 @@ class RecursiveSpider(Algorithm):
         record at the loss log K of a uniform prediction over the K classes. A public constant (K, B and
         lambda-init are configuration), used only as the unit of the first releases; STORM forgets it at the
         rate (1 - beta)^t."""
-        c = self.cfg
-        return math.exp((min(math.log(self.num_classes), c.loss_bound) - c.loss_bound) / c.lambda_init)
+        p = self.params
+        return math.exp((min(math.log(self.num_classes), p.loss_bound) - p.loss_bound) / p.lambda_init)
 
     def versions(self, state: RecursiveSpiderState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
@@ -116,48 +117,48 @@ class RecursiveSpider(Algorithm):
         z_x = lambda v / s by (1 - delta), an error of norm delta |z_x| <= delta C_x when the v/u clips are in
         the update's units too (rs-clip-units=relative); so its weight is w_storm (1 + C_x^2)
         (server/allocation.py)."""
-        c = self.cfg
-        storm = 1.0 / (1.0 - (1.0 - c.beta) ** 2) if c.beta > 0 else float(c.iterations)
-        s_weight = storm * (1.0 + c.clip_x**2) if c.s_clip_units == "relative" else storm
-        return {"vu-refresh": NoiseProfile(self.dim + 1, c.clip_x, c.q),
-                "vu-diff": NoiseProfile(self.dim + 1, c.clip_diff_max, c.q / 2),
-                "s": NoiseProfile(1, c.clip_s, s_weight)}
+        c, p = self.cfg, self.params
+        storm = 1.0 / (1.0 - (1.0 - p.beta) ** 2) if p.beta > 0 else float(c.iterations)
+        s_weight = storm * (1.0 + c.clip_x**2) if p.s_clip_units == "relative" else storm
+        return {"vu-refresh": NoiseProfile(self.dim + 1, c.clip_x, p.q),
+                "vu-diff": NoiseProfile(self.dim + 1, p.clip_diff_max, p.q / 2),
+                "s": NoiseProfile(1, p.clip_s, s_weight)}
 
     def spider_pairs(self) -> list[tuple[str, str]]:
         return [("vu-refresh", "vu-diff")]
 
     def vu_scale(self, state: RecursiveSpiderState) -> float:
         """k_t of the v/u release: lambda_t / s_{t-1} with rs-clip-units=relative, else 1."""
-        return state.lam / state.s if self.cfg.rs_clip_units == "relative" else 1.0
+        return state.lam / state.s if self.params.rs_clip_units == "relative" else 1.0
 
     def s_scale(self, state: RecursiveSpiderState) -> float:
         """The public scale of the s release's per-record term: 1 / s_{t-1} with s-clip-units=relative, else 1."""
-        return 1.0 / state.s if self.cfg.s_clip_units == "relative" else 1.0
+        return 1.0 / state.s if self.params.s_clip_units == "relative" else 1.0
 
     def queries(self, state: RecursiveSpiderState) -> list[Query]:
-        c, t = self.cfg, state.t
+        c, p, t = self.cfg, self.params, state.t
         now, before = Point(t, state.lam), Point(t - 1, state.lam_prev)
         k = self.vu_scale(state)
         extra = (k,) if k != 1.0 else ()
-        if t % c.q == 0:
+        if t % p.q == 0:
             vu = Query(t, "vu-refresh", "kl-vu", (now,), self.rate(c.refresh_batch), c.clip(c.clip_x),
                        self.dim + 1, extra=extra)
         else:
             dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), state.lam - state.lam_prev)
-            clip = c.clip(min(c.clip_diff * dist, c.clip_diff_max))
-            vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(c.diff_batch), clip, self.dim + 1, extra=extra)
-        clip_s = c.clip(c.clip_s)
+            clip = c.clip(min(p.clip_diff * dist, p.clip_diff_max))
+            vu = Query(t, "vu-diff", "kl-vu", (now, before), self.rate(p.diff_batch), clip, self.dim + 1, extra=extra)
+        clip_s = c.clip(p.clip_s)
         ks = self.s_scale(state)
         s_extra = (ks,) if ks != 1.0 else ()
         if t == 0:
-            s = Query(t, "s", "kl-g", (now,), self.rate(c.s_batch), clip_s, 1, extra=s_extra)
+            s = Query(t, "s", "kl-g", (now,), self.rate(p.s_batch), clip_s, 1, extra=s_extra)
         else:
-            s = Query(t, "s", "kl-g", (now, before), self.rate(c.s_batch), clip_s, 1, coefs=(1.0, -(1.0 - c.beta)),
+            s = Query(t, "s", "kl-g", (now, before), self.rate(p.s_batch), clip_s, 1, coefs=(1.0, -(1.0 - p.beta)),
                       extra=s_extra)
         return [vu, s]
 
     def apply(self, state: RecursiveSpiderState, released: dict[str, np.ndarray]) -> RecursiveSpiderState:
-        c = self.cfg
+        c, p = self.cfg, self.params
         s = dataclasses.replace(state)
         k = self.vu_scale(state)
         if "vu-refresh" in released:
@@ -165,18 +166,18 @@ class RecursiveSpider(Algorithm):
             v, cu = vu[:-1], vu[-1]
         else:
             vu = released["vu-diff"] / k
-            v, cu = state.v + vu[:-1], state.u * c.u_scale + vu[-1]
-        u = float(cu) / c.u_scale
+            v, cu = state.v + vu[:-1], state.u * p.u_scale + vu[-1]
+        u = float(cu) / p.u_scale
         # the released STORM term, back in the units of s (s_scale is 1 / s_{t-1} in relative units)
         term = float(released["s"][0]) / self.s_scale(state)
-        s_raw = term + (0.0 if state.t == 0 else (1.0 - c.beta) * state.s)
-        s_t = max(s_raw, c.s_min)
+        s_raw = term + (0.0 if state.t == 0 else (1.0 - p.beta) * state.s)
+        s_t = max(s_raw, p.s_min)
         z_x = state.lam * v / s_t
-        z_lam = math.log(s_t) + c.rho + state.lam * u / s_t
+        z_lam = math.log(s_t) + p.rho + state.lam * u / s_t
         s.v, s.u, s.s, s.s_raw = v, u, s_t, s_raw
         s.x_prev, s.x = state.x, state.x - c.lr_x * z_x
         s.lam_prev = state.lam
-        s.lam = min(max(state.lam - c.lr_lambda * z_lam, c.lambda0), c.lambda_max)
+        s.lam = min(max(state.lam - p.lr_lambda * z_lam, p.lambda0), p.lambda_max)
         s.t = state.t + 1
         return s
 
@@ -191,5 +192,5 @@ class RecursiveSpider(Algorithm):
         losses (unclamped, float64, computed stably)."""
         lam = state.lam
         m = float(np.max(losses))
-        psi = m + lam * math.log(float(np.mean(np.exp((losses - m) / lam)))) + lam * self.cfg.rho
+        psi = m + lam * math.log(float(np.mean(np.exp((losses - m) / lam)))) + lam * self.params.rho
         return {"eval_kl_dro_objective": psi}

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from ...common.codec import encode_config
 from ...common.flower.wire import HELLO, RELEASE, pack_queries, unpack_replies
 from ...common.messages import SECURE_SUM, UNDISCLOSED, Query, Reply
-from ...common.transport import ClientFailure, RoundResult
+from ...common.transport import ClientFailure, RoundResult, under_failure_policy
 from .secagg import SecAggRange, SecureRound
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ class FlowerTransport:
         in the run: its records are not in n. Returns node id -> reason of each dropped node (logged by partition
         and node id). Raises ClientFailure naming each failed node's partition and node id."""
         pending = list(nodes)
-        failed: dict[int, str] = {}
-        for attempt in range(max_retries + 1):
+
+        def attempt(k: int) -> dict[int, str]:  # asks the nodes still pending; keeps those that answered
+            nonlocal pending
             replies, errors = self._exchange({nid: RecordDict() for nid in pending}, HELLO)
             failed = {nid: f"partition unknown (node {nid}): {reason[-500:]}" for nid, reason in errors.items()}
             for nid, content in replies.items():
@@ -97,18 +98,16 @@ class FlowerTransport:
                 else:
                     self.node_of[pid] = nid
                     self.sizes[pid] = int(hello["num-records"])
-            if not failed:
-                break
             for reason in failed.values():
-                log.warning("start-up ('hello'), attempt %d: %s", attempt, reason)
-            if policy == "drop" and len(self.node_of) >= min_clients:
-                log.warning("training without %s (%d of %d nodes remain; their records are not in n)",
-                            ", ".join(r.split(":", 1)[0] for r in failed.values()), len(self.node_of), len(nodes))
-                break
-            if policy == "fail" or attempt == max_retries:
-                raise ClientFailure(f"start-up ('hello') failed after {attempt + 1} attempt(s) with "
-                                    f"on-client-failure={policy}: " + "; ".join(failed.values()))
+                log.warning("start-up ('hello'), attempt %d: %s", k, reason)
             pending = sorted(failed)
+            return failed
+
+        failed = under_failure_policy(attempt, policy=policy, max_retries=max_retries, min_clients=min_clients,
+                                      remaining=lambda _: len(self.node_of), where="start-up ('hello')")
+        if failed:
+            log.warning("training without %s (%d of %d nodes remain; their records are not in n)",
+                        ", ".join(r.split(":", 1)[0] for r in failed.values()), len(self.node_of), len(nodes))
         if not set(self.node_of) <= set(range(num_clients)):  # distinct (checked above) and in range: all, or drops
             raise ClientFailure(f"partitions {sorted(self.node_of)} do not cover 0..{num_clients - 1}")
         return failed

@@ -52,9 +52,10 @@ def _canary(args: argparse.Namespace) -> int:
     from dpdro.simulations.canary_audit import DEFAULT_PLAN, report_lines, run_canary_audit
 
     plan = [p for p in DEFAULT_PLAN if not args.configs or p[0] in args.configs]
-    if not plan:
+    node_evaluation = not args.configs or "node-evaluation" in args.configs  # simulations/eval_audit.py
+    if not plan and not node_evaluation:
         print(f"dpdro: error: --configs: none of {args.configs} is audited; allowed: "
-              f"{', '.join(sorted({p[0] for p in DEFAULT_PLAN}))}", file=sys.stderr)
+              f"{', '.join(sorted({p[0] for p in DEFAULT_PLAN} | {'node-evaluation'}))}", file=sys.stderr)
         return 2
     command = " ".join(["dpdro lab audit --mode canary", *(["--configs", *args.configs] if args.configs else []),
                         f"--slots {args.slots} --trials {args.trials} --max-releases {args.max_releases}"])
@@ -64,6 +65,11 @@ def _canary(args: argparse.Namespace) -> int:
 
     path, rows = run_canary_audit(shared.docs_dir(args), slots=args.slots, trials=args.trials,
                                   max_releases=args.max_releases, plan=plan, command=command, progress=progress)
+    if node_evaluation:  # the node evaluation's counts (eval-data=nodes), its own section
+        from dpdro.simulations.eval_audit import run_eval_audit
+
+        path, evals = run_eval_audit(shared.docs_dir(args), args.trials, command)
+        rows += evals
     print(f"wrote {path}")
     wrong = [r for r in rows if r.flagged != bool(r.broken)]
     for r in wrong:

@@ -1,4 +1,5 @@
-"""``dpdro lab hazards``: one-factor changes of the tuned DP-DRO configs on MNIST-ST (ALGORITHMS.md 5.4)."""
+"""``dpdro lab hazards``: one-factor changes of the tuned DP-DRO configs on MNIST-ST
+(docs/explanation/ALGORITHMS.md 5.4)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 from .. import shared
 
 NAME = "hazards"
-HELP = "one-factor changes of the tuned DP-DRO configs on MNIST-ST (ALGORITHMS.md 5.4); writes HAZARDS.md"
+HELP = ("one-factor changes of the tuned DP-DRO configs on MNIST-ST (docs/explanation/ALGORITHMS.md 5.4); writes "
+        "HAZARDS.md")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

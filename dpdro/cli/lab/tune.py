@@ -1,5 +1,7 @@
 """``dpdro lab tune``: Optuna search (TPE, median pruner) with the same budget per method on a validation split,
-top trials confirmed on more seeds; writes tuned configs and TUNING.md (not privacy-accounted); resumable."""
+top trials confirmed on more seeds; writes tuned configs and TUNING.md (not privacy-accounted); resumable.
+``dpdro lab tune --private``: the accounted search of Papernot and Steinke (simulations/private_tune.py): a random
+number of random trials, each scored by a noisy count, the best released with its epsilon_total."""
 
 from __future__ import annotations
 
@@ -56,6 +58,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --choose-posthoc-tau: validation models per method, seeds 1..N (default 1)")
     p.add_argument("--min-accuracy", type=float, default=0.0, metavar="A",
                    help="with --choose-posthoc-tau: choose only among taus with mean validation accuracy >= A")
+    p.add_argument("--selection-epsilon", type=float, default=None, metavar="E",
+                   help="with --choose-posthoc-tau: choose from noisy per-class counts spending epsilon E per method "
+                        "(server/private_selection.py); default: noiseless, not accounted")
+    g = p.add_argument_group("private search (--private; simulations/private_tune.py)")
+    g.add_argument("--private", action="store_true",
+                   help="the privacy-accounted search of Papernot and Steinke (ICLR 2022) for one --methods: a "
+                        "secret random number of trials K, each a full run at --epsilon with a random point of the "
+                        "method's space, scored by its noisy worst-class validation accuracy; the best trial is "
+                        "released with epsilon_total (the whole search). --trials, --jobs, --confirm-*, --warm-start "
+                        "do not apply")
+    g.add_argument("--distribution", choices=("tnb", "poisson"), default="tnb",
+                   help="law of K: truncated negative binomial (--eta, --gamma; Theorem 2) or Poisson (--mu; "
+                        "Theorem 6); default tnb")
+    g.add_argument("--eta", type=float, default=1.0, help="tnb's eta > -1 (1: truncated geometric; default 1)")
+    g.add_argument("--gamma", type=float, default=0.1,
+                   help="tnb's gamma in (0, 1); default 0.1 (with eta 1: E[K] = 1/gamma = 10)")
+    g.add_argument("--mu", type=float, default=10.0, help="Poisson's mean mu > 0 (default 10)")
+    g.add_argument("--score-noise-multiplier", type=float, default=10.0, metavar="Z",
+                   help="noise multiplier of each trial's score: per-class correct and total counts + N(0, (Z "
+                        "sqrt 2)^2) (default 10)")
+    g.add_argument("--trial-keys", nargs="*", metavar="KEY=VALUE", default=[],
+                   help="config keys set in every trial (not searched keys), e.g. iterations=100 for a short search")
     p.set_defaults(all_datasets=DATASETS)
 
 
@@ -72,6 +96,8 @@ def _methods(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.private:
+        return _private(args)
     try:
         import optuna  # noqa: F401
     except ImportError:
@@ -115,7 +141,7 @@ def _posthoc_tau(args: argparse.Namespace, root: Path, configs: Path) -> int:
     grid = tuple(args.tau_grid) if args.tau_grid else TAU_GRID
     for ds in args.dataset:
         choices = choose_posthoc_tau(ds, args.epsilon, args.methods, root, configs, grid, args.tau_seeds,
-                                     args.jobs, args.min_accuracy)
+                                     args.jobs, args.min_accuracy, args.selection_epsilon)
         for c in choices.values():
             was = (f"{c.previous:g} (worst {c.previous_terms[0]:.4f}, two lowest {c.previous_terms[1]:.4f}, "
                    f"accuracy {c.previous_terms[2]:.4f})")
@@ -142,4 +168,38 @@ def _probe(args: argparse.Namespace, root: Path) -> int:
     per_class = ", ".join(f"{a:.3f}" for a in s["per_class_accuracy"])
     print(f"probe {args.methods[0]} (outside the search; {s['eval_split']} split, seed {s['seed']}): accuracy "
           f"{s['test_accuracy']:.4f}, worst {s['worst_class_accuracy']:.4f}; per class {per_class}")
+    return 0
+
+
+def trial_count(args: argparse.Namespace):
+    """The law of K from --distribution, --eta, --gamma, --mu (ConfigError naming a bad one)."""
+    from dpdro.server.private_tuning import TrialCount
+
+    return TrialCount(args.distribution, eta=args.eta, gamma=args.gamma, mu=args.mu)
+
+
+def _private(args: argparse.Namespace) -> int:
+    """--private: one method's accounted search per --dataset (simulations/private_tune.py)."""
+    from dpdro.simulations.private_tune import run_private_search
+
+    from ..plan import privacy_plan
+
+    args.methods = _methods(args)
+    if len(args.methods) != 1:
+        raise ConfigError(f"--methods: got {len(args.methods)} methods with --private; allowed: exactly one (choosing "
+                          "among methods' searches would be one more selection on the private records)")
+    dist = trial_count(args)
+    for ds in args.dataset:
+        out = run_private_search(ds, args.epsilon, args.methods[0], dist, Path(args.root), privacy_plan, args.seed,
+                                 args.score_noise_multiplier, trial_keys=parse_set_args(args.trial_keys or []))
+        best = out["best"]
+        print(f"{ds} {args.methods[0]}: private search ({dist.describe()}), per-trial epsilon {args.epsilon:g}: "
+              f"epsilon_total {out['epsilon_total']:.4f} at delta {out['delta']:.3g} ({out['theorem']})")
+        if best is None:
+            print("  no trial was drawn (K = 0): nothing released")
+        else:
+            keys = ", ".join(f"{k} {v}" for k, v in sorted(best["keys"].items()))
+            print(f"  released: {best['out_dir']} ({keys}), noisy worst-class validation accuracy "
+                  f"{best['noisy_worst']:.4f}")
+        print(f"  released.json beside {out['record']} (the record: not for publication)")
     return 0

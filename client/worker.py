@@ -144,8 +144,9 @@ class ShardWorker:
         with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
         local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible, or
         with config key secure-noise built of OS CSPRNG bytes, ``common.rng.secure_gaussian``)
-        and reports no count (-1): the server is not trusted with it. ``versions`` maps the query's model version
-        ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
+        and reports no count (-1): the server is not trusted with it. A ``query.count_only`` query's reply is (1,):
+        the number of sampled records whose vector was not scaled down by ``query.clip``. ``versions`` maps the
+        query's model version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
         if query.quantity == EVAL_QUANTITY:
             return self._answer_eval(query, versions)
@@ -155,7 +156,9 @@ class ShardWorker:
                                        self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
                                        query.dim, problem, query.extra, self.cfg.chunk_size, groups)
         out = total.cpu().numpy()
-        if query.count_scale > 0:
+        if query.count_only:  # the number of sampled records under the clip (messages.Query.count_only)
+            out = np.array([float(len(idx) - clipped)])
+        elif query.count_scale > 0:
             out = np.append(out, query.count_scale * query.clip * clipped)
         count = int(len(idx))
         if query.noise_std > 0:

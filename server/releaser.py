@@ -111,7 +111,8 @@ class Releaser:
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
         diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
-        count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
+        counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
+        count_scale = cfg.clip_count_scale if counted else 0.0
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)

@@ -136,10 +136,12 @@ class StepBench:
 
     Args:
         model_name: 'cnn' or 'resnet20'; batch: records B; chunk_size; device: torch device.
-        Per-record gradients come from torch.func (``FlatModel``), exactly as clients compute them.
+        Per-record gradients come from ``engine`` (``FlatModel``; default torch.func), exactly as clients compute
+        them.
     """
 
-    def __init__(self, model_name: str, batch: int, chunk_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model_name: str, batch: int, chunk_size: int, device: torch.device, seed: int = 0,
+                 engine: str = "torch.func") -> None:
         self.device = device
         self.model_name = model_name
         self.batch = batch
@@ -147,8 +149,8 @@ class StepBench:
         gen = torch.Generator().manual_seed(seed)
         self.x = (torch.rand(batch, *INPUT_SHAPES[model_name], generator=gen) * 2 - 1).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-        self.module = make_model(model_name, 10, seed).to(device)
-        self.flat_model = FlatModel(self.module)
+        self.module = make_model(model_name, 10, seed, input_shape=INPUT_SHAPES[model_name]).to(device)
+        self.flat_model = FlatModel(self.module, engine)
         self.flat_model_opacus = FlatModel(self.module, "opacus")  # the other per-record engine, same module
         self.flat0 = self.flat_model.initial().detach()
         self.flat1 = self.flat0 + 1e-3 * torch.randn(self.flat0.shape, generator=gen).to(device)

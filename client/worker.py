@@ -26,7 +26,7 @@ from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clip_scales, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
-from ..common.rng import site_rng
+from ..common.rng import gaussian_noise, site_rng
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,11 @@ class ShardWorker:
         """Sum of clipped per-record vectors over this shard's sample, shape (query.out_dim,): with
         ``query.count_scale`` > 0 the last coordinate is count_scale * clip * (number of clipped records), and
         with ``query.noise_std`` > 0 this client adds N(0, noise_std^2) to every coordinate (distributed and
-        local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible)
-        and reports no count (-1): the server is not trusted with it. ``versions`` maps the query's model version
-        ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
+        local noise modes; the noise comes from a PCG64 generator seeded from the OS CSPRNG unless reproducible, or
+        with config key secure-noise built of OS CSPRNG bytes, ``common.rng.secure_gaussian``)
+        and reports no count (-1): the server is not trusted with it. A ``query.count_only`` query's reply is (1,):
+        the number of sampled records whose vector was not scaled down by ``query.clip``. ``versions`` maps the
+        query's model version ids to flat parameter arrays (d,). Raises KeyError if a version is missing."""
         fault = self._inject(query)
         if query.quantity == EVAL_QUANTITY:
             return self._answer_eval(query, versions)
@@ -159,13 +161,15 @@ class ShardWorker:
         if node_unit:  # the node's mean, clipped to the clip norm as one vector; it counts as one unit
             total = node_contribution(total, len(idx), query.clip)
         out = total.cpu().numpy()
-        if query.count_scale > 0:
+        if query.count_only:  # the number of sampled records under the clip (messages.Query.count_only)
+            out = np.array([float(len(idx) - clipped)])
+        elif query.count_scale > 0:
             out = np.append(out, query.count_scale * query.clip * clipped)
         count = 1 if node_unit else int(len(idx))
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
-            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         if fault == "nan":
             out[:] = np.nan
@@ -189,7 +193,7 @@ class ShardWorker:
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
-            out = out + rng.normal(0.0, query.noise_std, size=out.shape)
+            out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         return Reply(query.qid, self.partition, out, count)
 

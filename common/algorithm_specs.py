@@ -260,6 +260,32 @@ _GROUP_DRO_PARAMS = (
           "SPIDER estimate in the bias-corrected exponential average of the group losses; 0: their running mean).",
           low=0.0, high=1.0, role="algorithm"),
 )
+# The levers of a gradient-difference release of the x block (dp-double-spider; recursive-spider at dro-level=group;
+# server/algorithms/diff_levers.py)
+_DIFF_LEVER_PARAMS = (
+    param("x-estimator", "str", "spider", "Estimator of the x gradient between refreshes (dp-double-spider's x block; "
+          "recursive-spider's at dro-level=group only): 'spider' (the paper's: b_t = b_{t-1} + noisy mean of "
+          "clip_{C_t}(g(x_t) - g(x_{t-1}))) or 'storm' (Cutkosky & Orabona 2019: b_t = (1 - a) b_{t-1} + noisy mean "
+          "of clip_{S_t}(g(x_t) - (1 - a) g(x_{t-1})), a = x-storm-a, sensitivity S_t = a C_ref + (1 - a) C_t).",
+          choices=("spider", "storm"), role="algorithm"),
+    param("x-storm-a", "float", 0.1, "STORM weight a in [0, 1] of x-estimator='storm' (0: SPIDER; 1: a plain "
+          "gradient on the difference batch every iteration).", low=0.0, high=1.0, role="algorithm"),
+    param("clip-diff-rule", "str", "fixed", "How C_diff of the difference clip C_t = min(C_diff Delta_t, C_max) is "
+          "set (x block of dp-double-spider; of recursive-spider at dro-level=group only): 'fixed' (clip-diff) or "
+          "'private-quantile' (starts at clip-diff and follows a privately released quantile of the per-record "
+          "difference norms over Delta_t, Andrew et al. 2021's geometric update; one count release per difference "
+          "iteration, charged as mechanism '<diff>-quantile').", choices=("fixed", "private-quantile"),
+          role="algorithm"),
+    param("clip-diff-quantile", "float", 0.5, "Target fraction gamma of records under the uncapped difference clip "
+          "(clip-diff-rule='private-quantile').", low=0.0, low_open=True, high=1.0, high_open=True, role="algorithm"),
+    param("clip-diff-quantile-lr", "float", 0.2, "Step eta_C of the geometric update C_diff <- C_diff "
+          "exp(-eta_C (b - gamma)) (clip-diff-rule='private-quantile'; Andrew et al. 2021 use 0.2).",
+          low=0.0, low_open=True, high=10.0, role="algorithm"),
+    param("clip-diff-quantile-noise-ratio", "float", 5.0, "Noise multiplier of the private quantile's count "
+          "releases relative to the x releases (noise-allocation='ratios'; sensitivity 1 record).",
+          low=0.0, low_open=True, high=1e4, role="privacy"),
+)
+_DIFF_LEVER_KEYS = tuple(f.key for f in _DIFF_LEVER_PARAMS)
 # Dp-double-spider only
 _DOUBLE_SPIDER_PARAMS = (
     param("clip-eta", "float", 1.0, "Clipping norm C_eta of per-record eta-gradients (refresh).",
@@ -329,13 +355,25 @@ def _check_lambda_range(values: Mapping[str, Any]) -> None:
                          "lambda-max")
 
 
+def _check_recursive_spider(values: Mapping[str, Any]) -> None:
+    """lambda0 <= lambda-init <= lambda-max, and the x-block levers (x-estimator, clip-diff-rule) only at
+    dro-level=group: the record level's v/u release keeps the paper's SPIDER with a fixed C_diff."""
+    _check_lambda_range(values)
+    if values["dro-level"] == "record":
+        for key, default in (("x-estimator", "spider"), ("clip-diff-rule", "fixed")):
+            if values[key] != default:
+                raise ValueError(f"config key {key!r}: got {values[key]!r} with recursive-spider at "
+                                 f"dro-level='record'; allowed: {default!r} (the lever applies to its x block at "
+                                 "dro-level='group')")
+
+
 # ---- the built-in algorithms (docs/explanation/ALGORITHMS.md) ----
 declare_algorithm(AlgorithmSpec(
     "dp-double-spider",
     keys=("q", "refresh-batch", "diff-batch", "lr-x", "lr-eta", "clip-x", "clip-eta", "clip-diff", "clip-diff-max",
           "eta-noise-ratio", "output-iterate", "dro-clip", "eta-clip-rule", "weight-cap", "loss-bound", "dro-level",
           "block-order",
-          "dro-groups", "dro-reference", "beta", *_DUAL),
+          "dro-groups", "dro-reference", "beta", *_DIFF_LEVER_KEYS, *_DUAL),
     quantities=("dual-x", "dual-x-wac", "dual-eta", "group-loss", "group-weighted-grad"), uses_eta=True, dro=True,
     # eta clipped at its public weight bound (no clipping bias, docs/explanation/ALGORITHMS.md 3.1); capped weights make
     # weight-after-clip affordable (measured: without a cap it diverged at lr 2; kl + cap 2 was the best found)
@@ -348,13 +386,14 @@ declare_algorithm(AlgorithmSpec(
            "noise-allocation": _ALLOCATION},
     fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"},
     reports=("psi", "lambda", "dro_clip", "eval_dro_objective", "eta0", "spider_noise"),
-    params=(*_SPIDER_PARAMS, *_DUAL_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DOUBLE_SPIDER_PARAMS)))
+    params=(*_SPIDER_PARAMS, *_DUAL_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DIFF_LEVER_PARAMS,
+            *_DOUBLE_SPIDER_PARAMS)))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
           "s-noise-ratio", "beta", "s-min", "rho", "lambda-init", "lambda0", "lambda-max", "loss-bound", "u-scale",
           "lr-x", "lr-lambda", "rs-clip-units", "s-clip-units", "loss-clamp", "dro-level", "dro-groups",
-          "dro-reference", "dro-clip", "weight-cap", "block-order"),
+          "dro-reference", "dro-clip", "weight-cap", "block-order", *_DIFF_LEVER_KEYS),
     quantities=("kl-vu", "kl-g", "group-loss", "group-weighted-grad"), dro=True,
     space={**_levers(FloatRange(0.25, 8.0, log=True)), "q": _Q, "rho": FloatRange(0.1, 1.0, log=True),
            "dro-reference": _DRO_REFERENCE, "dro-clip": _DRO_CLIP, "weight-cap": _WEIGHT_CAP, "beta": _BETA,
@@ -369,8 +408,8 @@ declare_algorithm(AlgorithmSpec(
            "s-clip-units": "relative", "s-min": 1e-6, "dro-level": "group"},
     # its objective is KL-DRO with rho (its own eval_kl_dro_objective), not the psi-divergence of key psi
     reports=("dro_clip", "spider_noise"),
-    params=(*_SPIDER_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_RECURSIVE_SPIDER_PARAMS),
-    check=_check_lambda_range))
+    params=(*_SPIDER_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DIFF_LEVER_PARAMS, *_RECURSIVE_SPIDER_PARAMS),
+    check=_check_recursive_spider))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd", keys=("refresh-batch", "clip-x", "lr-x"), quantities=("ce-grad",),
     space=_levers(_LR, tau=None)))

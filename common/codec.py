@@ -21,7 +21,8 @@ def query_to_dict(q: Query) -> dict:
             "clip": q.clip, "dim": q.dim, "attempt": q.attempt, "coefs": [float(c) for c in q.coefs],
             "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
             "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
-            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std)}
+            "count-scale": float(q.count_scale), "noise-std": float(q.noise_std),
+            "count-only": bool(q.count_only)}
 
 
 def query_from_dict(c) -> Query:
@@ -31,7 +32,7 @@ def query_from_dict(c) -> Query:
                  float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
                  tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
                  tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
-                 float(c.get("noise-std", 0.0)))
+                 float(c.get("noise-std", 0.0)), bool(c.get("count-only", False)))
 
 
 def encode_config(queries: list[Query], version_ids: list[int]) -> dict:

@@ -257,6 +257,10 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("reproducible-for-testing", "bool", False, "Testing only: true allows reproducible=true with a finite "
           "epsilon. Such a run is not private (its noise and samples derive from the seed that summary.json saves); "
           "the log, summary.json and MODEL_CARD.md say so.", role="privacy"),
+    Field("secure-noise", "bool", False, "true: every Gaussian noise vector (server's and clients') is the sum of 4 "
+          "draws built of OS CSPRNG bytes, as Opacus' secure_mode draws it, against floating-point attacks on the "
+          "Gaussian mechanism (Mironov 2012); never reproducible, so not with reproducible=true. Costs step time "
+          "(dpdro lab bench reports it). Docs: explanation/privacy.", role="privacy"),
     Field("eval-every", "int", 50, "Evaluate (and report epsilon spent) every this many iterations.",
           low=1, role="runtime"),
     Field("checkpoint-every", "int", 100, "Write a checkpoint every this many iterations, and always after the "
@@ -541,6 +545,10 @@ class Config:
                               "subtract it); for a test or an equivalence check that needs it, set "
                               "reproducible-for-testing=true as well (the run is then reported as "
                               f"'{SEEDED_NOT_PRIVATE}'), or use epsilon=inf")
+        if self.secure_noise and self.reproducible:
+            raise ConfigError("config key 'secure-noise': got true with reproducible=true; allowed with "
+                              "reproducible=true: false only (secure noise is built of OS CSPRNG bytes and cannot be "
+                              "recomputed from the seed)")
         if self.sampling != "poisson" and self.private:
             raise ConfigError(f"config key 'sampling': got {self.sampling!r}; allowed with a finite epsilon: "
                               "'poisson' only (fixed-size batches break the Poisson amplification the ledger "

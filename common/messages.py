@@ -44,6 +44,11 @@ class Query:
             vector's norm is <= clip sqrt(1 + c^2), the ``sensitivity``. 0: no such coordinate.
         noise_std: std of the Gaussian noise each client adds to its own sum before replying (distributed and
             local noise modes); 0 in central mode, where the server adds the noise.
+        count_only: True asks not for the clipped sum but for one coordinate, the number of sampled records whose
+            combined vector has norm <= ``clip`` (its upper bound ``per_sample.norm_upper_bound``): each record
+            adds 1 or 0, the null record 0, so the sensitivity is 1 (the private quantile of the difference clip,
+            Andrew et al. 2021, "Differentially private learning with adaptive clipping", NeurIPS, Algorithm 1;
+            server/algorithms/diff_levers.py). ``count_scale`` does not apply.
     """
 
     iteration: int
@@ -59,16 +64,22 @@ class Query:
     offset: tuple[float, ...] = ()
     count_scale: float = 0.0
     noise_std: float = 0.0
+    count_only: bool = False
 
     @property
     def out_dim(self) -> int:
-        """Length of a reply's vector: ``dim`` plus the clipped-count coordinate if ``count_scale`` > 0."""
+        """Length of a reply's vector: 1 for a count-only query, else ``dim`` plus the clipped-count coordinate if
+        ``count_scale`` > 0."""
+        if self.count_only:
+            return 1
         return self.dim + (1 if self.count_scale > 0 else 0)
 
     @property
     def sensitivity(self) -> float:
         """L2 bound of one record's contribution to the reply: clip, or clip sqrt(1 + c^2) with the
-        clipped-count coordinate (inf in non-private runs)."""
+        clipped-count coordinate (inf in non-private runs); 1 for a count-only query."""
+        if self.count_only:
+            return 1.0
         return self.clip * math.sqrt(1.0 + self.count_scale**2) if self.count_scale > 0 else self.clip
 
     def point_coefs(self) -> tuple[float, ...]:

@@ -346,11 +346,108 @@ class OuterRows(RowBlocks):
         return norms if self.factor is None else norms * self.factor.to(torch.float64).abs()
 
 
-def combine_outer(terms: list[OuterRows], coefs) -> OuterRows | None:
-    """sum_j coefs[j] terms[j] as one ``OuterRows`` when every term has the same input h (a linear layer on
-    inputs that no trainable parameter changes), i.e. g = sum_j coefs[j] factor_j g_j; None otherwise."""
+class OuterDiffRows(RowBlocks):
+    """The per-record combination a_1 [vec(g_1 h_1^T), g_1] + a_2 [vec(g_2 h_2^T), g_2] of one linear layer's
+    gradients at two points whose inputs differ (h_1 != h_2), in factored form: ghost norms for two-point
+    differences. With a_j = coef_j factor_j (per record) and b = 1[bias], the squared norm of row i is
+
+        a_1^2 |g_1|^2 (|h_1|^2 + b) + 2 a_1 a_2 (g_1.g_2)(h_1.h_2 + b) + a_2^2 |g_2|^2 (|h_2|^2 + b)
+
+    (for SPIDER's a = (1, -1): (h1.h1)(g1.g1) - 2 (h1.h2)(g1.g2) + (h2.h2)(g2.g2) plus the bias terms), so the
+    norm costs O(B (K + n)) and the clipped sum two (K, B) x (B, n) products, never the (B, K n) rows (Li et al.,
+    ICLR 2022, sec. 4's ghost clipping, for a difference of two points). ``clipped_sum_and_count`` clips and sums
+    it; ``blocks`` forms the dense rows (for callers of that form).
+
+    Args: terms (two ``OuterRows`` of one layer: same bias flag, B, dtype and device), coefs (two floats).
+    """
+
+    def __init__(self, terms: list[OuterRows], coefs) -> None:
+        if len(terms) != 2 or terms[0].bias != terms[1].bias or terms[0].g.shape[0] != terms[1].g.shape[0]:
+            raise ValueError("outer difference rows need two OuterRows of one layer (same bias and records)")
+        self.terms, self.coefs, self.bias, self.factor = terms, tuple(float(c) for c in coefs), terms[0].bias, None
+        self._blocks: list[torch.Tensor] | None = None
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:  # type: ignore[override]
+        if self._blocks is None:
+            parts = [[b * c if t.factor is None else b * (c * t.factor).unsqueeze(1) for b in t.blocks]
+                     for t, c in zip(self.terms, self.coefs, strict=True)]
+            self._blocks = [p + q for p, q in zip(*parts, strict=True)]
+        return self._blocks
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.terms[0].shape
+
+    def coefficients(self) -> list[torch.Tensor]:
+        """a_j (B,) float64 of each term: coef_j times the term's factor."""
+        out = []
+        for t, c in zip(self.terms, self.coefs, strict=True):
+            ones = torch.ones(t.g.shape[0], dtype=torch.float64, device=t.g.device)
+            out.append(c * (ones if t.factor is None else t.factor.to(torch.float64)))
+        return out
+
+    def norm_upper_bound(self) -> torch.Tensor:
+        """Upper bound (B,) float64 on the exact norm of each row: the square root of the formula above (dot products
+        of the float64 conversions, exact inputs) plus its rounding, bounded by 4 (n + K + 16) eps64
+        (sum_j |a_j| |g_j| sqrt(|h_j|^2 + b))^2 (Higham 2002, sec. 3.1: every product and sum of the formula has
+        a relative error at most that many eps against the sum of the absolute values), plus 4 eps64 times that
+        sum for the float64 rounding of the coefficients a_j c_i g_j that the clipped sum multiplies; then times
+        1 + ``clip_margin`` as every norm bound here. NaN or inf in g, h or a factor: not finite."""
+        eps = torch.finfo(torch.float64).eps
+        (t1, t2), (a1, a2) = self.terms, self.coefficients()
+        g1, g2, h1, h2 = t1.g.to(torch.float64), t2.g.to(torch.float64), t1.h64(), t2.h64()
+        b = 1.0 if self.bias else 0.0
+        gg11, gg22, gg12 = _row_dots(g1, g1), _row_dots(g2, g2), _row_dots(g1, g2)
+        hh11, hh22, hh12 = _row_dots(h1, h1) + b, _row_dots(h2, h2) + b, _row_dots(h1, h2) + b
+        square = a1 * a1 * gg11 * hh11 + 2.0 * a1 * a2 * gg12 * hh12 + a2 * a2 * gg22 * hh22
+        scale = a1.abs() * (gg11 * hh11).sqrt() + a2.abs() * (gg22 * hh22).sqrt()
+        slack = 4.0 * (h1.shape[1] + g1.shape[1] + 16) * eps
+        norms = (square.clamp(min=0.0) + slack * scale * scale).sqrt() + 4.0 * eps * scale
+        return norms * (1.0 + clip_margin(t1.g.dtype))
+
+
+def _row_dots(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """u_i . v_i per row (B,) for u, v (B, n), as a batched matrix product (no (B, n) temporary)."""
+    return torch.bmm(u.unsqueeze(1), v.unsqueeze(2)).reshape(-1)
+
+
+def _clipped_outer_diff_sum_and_count(v: OuterDiffRows, bound: float) -> tuple[torch.Tensor, int]:
+    """``clipped_sum_and_count`` of ``v.dense()`` without forming it: per-record clip factors c_i of
+    ``OuterDiffRows.norm_upper_bound``, then sum_j [vec((c a_j g_j)^T h_j), sum_i c_i a_ij g_ij] as float64
+    products (as ``_clipped_outer_sum_and_count``, one per term). Rows whose bound is not finite contribute zero."""
+    a = v.coefficients()
+    if math.isinf(bound):
+        scale, n_clipped = torch.ones_like(a[0]), 0
+    else:
+        norms = v.norm_upper_bound()
+        scale = _clip_factors(norms, bound)
+        n_clipped = int((scale < 1.0).sum())
+    finite = scale > 0
+    total = None
+    for t, aj in zip(v.terms, a, strict=True):
+        g, h = t.g.to(torch.float64), t.h64()
+        coef = torch.where(finite, scale * aj, 0.0)
+        if not bool(finite.all()):
+            g = torch.where(finite.unsqueeze(1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+            h = torch.where(finite.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        weighted = g * coef.unsqueeze(1)
+        parts = [(weighted.t() @ h).reshape(-1)]
+        if v.bias:
+            parts.append(weighted.sum(0))
+        part = torch.cat(parts)
+        total = part if total is None else total + part
+    return total, n_clipped
+
+
+def combine_outer(terms: list[OuterRows], coefs) -> OuterRows | OuterDiffRows | None:
+    """sum_j coefs[j] terms[j] in factored form: one ``OuterRows`` when every term has the same input h (a linear
+    layer on inputs that no trainable parameter changes), i.e. g = sum_j coefs[j] factor_j g_j; an
+    ``OuterDiffRows`` for two terms whose inputs differ; None otherwise."""
     first = terms[0]
     if any(t.bias != first.bias or not torch.equal(t.h, first.h) for t in terms[1:]):
+        if len(terms) == 2 and terms[1].bias == first.bias:
+            return OuterDiffRows(terms, coefs)
         return None
     g = None
     for t, c in zip(terms, coefs, strict=True):
@@ -466,6 +563,8 @@ def clipped_sum_and_count(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, 
     bound; ``release.reply_tolerance`` checks the norm)."""
     if isinstance(v, OuterRows):
         return _clipped_outer_sum_and_count(v, bound)
+    if isinstance(v, OuterDiffRows):
+        return _clipped_outer_diff_sum_and_count(v, bound)
     if isinstance(v, RowBlocks):
         return _clipped_blocks_sum_and_count(v, bound)
     if math.isinf(bound):

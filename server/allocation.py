@@ -26,6 +26,22 @@ s) is one coordinate of its own tiny scale in absolute units, so the rule starve
 against 1.4-2.0, noise std above s itself); released in units of s_{t-1} (s-clip-units=relative) its noise is
 a relative error, and its profile carries the weight of that error on the update (docs/explanation/ALGORITHMS.md 2.5).
 For a difference the nominal clip is C_max (its clip C_t = min(C_diff Delta_t, C_max) is not known before training).
+
+What V is for a SPIDER block (does 'variance' minimise the estimator's error or only set a ratio?). The
+estimate at position j of a phase of q iterations is b = R + D_1 + ... + D_j with independent noises, so its DP
+noise variance is D (z_R C_R / N_R)^2 + j D (z_D C_D / N_D)^2 (the noise term of the estimator diagnostics,
+simulations/estimator.py). Summed over the q estimates of the phase, the refresh's noise counts q times and the
+differences' q - 1 + q - 2 + ... + 1 = q (q - 1) / 2 times, i.e. q / 2 per difference: exactly the weights w_R = q
+and w_D = q / 2 above. So V is the sum over all iterations of the noise term of the estimator's mean squared
+error, and the rule is the multiplier split that minimises it at a fixed privacy cost (under the small-rate
+Renyi proxy; calibration then meets the exact target): derivation, with a_k = n_k w_k D_k C_k^2 / N_k^2 and
+b_k = n_k r_k^2, min sum_k a_k z_k^2 subject to sum_k b_k / z_k^2 = P gives a_k z_k^4 = mu b_k, i.e.
+z_k proportional to (b_k / a_k)^(1/4) = n^(1/2) r_k / (w_k D_k C_k^2)^(1/4) since N_k = r_k n. It is the
+error-minimising allocation of the noise term, not a fixed ratio ('ratios' is the fixed ratio). The other two terms
+of the error do not depend on the multipliers: sampling (set by the batches) and clipping bias (set by C_t), so
+no split of the noise changes them. Two approximations remain: the difference's nominal clip C_max over-states its
+noise where C_t < C_max, and with x-estimator='storm' the weights are the geometric tails of
+``diff_levers.storm_weights`` (a release reaches the later estimates of its phase scaled by (1 - a)^k).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import nn
 from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, keys_with_role
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
+from ..common.noise_modes import noise_mode
 from ..common.transport import Transport
 from . import node_evaluation
 from . import setup as setup_releases
@@ -37,7 +38,6 @@ from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
 from .node_sampling import ledger_node_rate
-from .release import check_distributed
 from .releaser import Releaser
 from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, follow_n, plan_run, resolve_delta:
     MIN_PRIVATE_RECORDS,  # re-exported for their callers)
@@ -172,8 +172,8 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
     elif cfg.noise_from_saved_seed:
         log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
                     "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
-    if cfg.private and cfg.noise_mode == "distributed":
-        for warning in check_distributed(cfg, plan.noise, transport.largest_shard):
+    if cfg.private:
+        for warning in noise_mode(cfg.noise_mode).check(cfg, plan.noise, transport.largest_shard):
             log.warning("%s", warning)
     for text in plan.notes:
         _note(progress, text)
@@ -380,7 +380,8 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
     last = max(e["iteration"] for e in released)
     span = f"iteration {last}" if last == checkpoint_t else f"iterations {checkpoint_t}-{last}"
     # in distributed and local mode the server's own ledger must fit too (its guard would stop the run later)
-    checked = [("", ledger)] + ([(" against the server", server_ledger)] if privacy.noise_mode != "central" else [])
+    trusted = noise_mode(privacy.noise_mode).trusts_server
+    checked = [("", ledger)] + ([] if trusted else [(" against the server", server_ledger)])
     for against, book in checked:
         completed = book.epsilon_if_completed()
         if ledger.private and completed > book.epsilon:

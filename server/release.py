@@ -3,7 +3,7 @@
 The sum is taken in partition order so that the result does not depend on the order replies arrive in.
 The released sum carries N(0, (z S)^2) per coordinate, S the query's sensitivity (its clip, or
 clip sqrt(1 + c^2) with the clipped-count coordinate); where that noise is drawn depends on the noise mode
-(config ``noise-mode``):
+(config ``noise-mode``; one ``common.noise_modes.NoiseMode`` object per mode, which the functions below ask):
 
 - central: the server adds all of it to the sum of the clients' clipped sums (a trusted server);
 - distributed: each client adds N(0, (z S)^2 / m_min) to its own sum, m_min the fewest shares a release may sum
@@ -29,9 +29,19 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..common.config import Config, ConfigError
+from ..common.config import Config
 from ..common.errors import RunFailed
 from ..common.messages import REPLY_DTYPE, Query, Reply
+from ..common.noise_modes import (  # noqa: F401 - the SecAgg+ grid and m_min, re-exported for the server's callers
+    NOISE_MODES,
+    SECAGG_MODULUS_BITS,
+    SECAGG_STEP_OVER_SHARE_STD,
+    check_secagg_grid,
+    min_shares,
+    noise_mode,
+    secagg_grid,
+)
+from ..common.rng import gaussian_noise
 
 log = logging.getLogger(__name__)
 
@@ -141,142 +151,46 @@ def aggregate(query: Query, replies: list[Reply]) -> np.ndarray:
     return total
 
 
-NOISE_MODES = ("central", "distributed", "local")
-
-
-def min_shares(on_client_failure: str, min_clients: int, num_clients: int) -> int:
-    """m_min, the fewest client shares a release may sum (config keys on-client-failure, min-clients,
-    num-clients): min-clients with 'drop' (``releaser.collect_round`` releases no fewer), else num-clients (an
-    attempt that misses a client is discarded). Distributed mode calibrates each client's share for m_min, as
-    TensorFlow Federated's ``DistributedDpSumFactory`` calibrates for its expected number of clients.
-    Raises ConfigError unless 1 <= min-clients <= num-clients."""
-    if not 1 <= min_clients <= num_clients:
-        raise ConfigError(f"config key 'min-clients': got {min_clients}; allowed: 1 to num-clients ({num_clients})")
-    return min_clients if on_client_failure == "drop" else num_clients
-
-
 def client_noise_std(mode: str, noise_multiplier: float, sensitivity: float, shares: int) -> float:
-    """Std each client adds to its own sum: 0 (central), z S / sqrt(m_min) (distributed, ``shares`` = m_min of
-    ``min_shares``), z S (local)."""
-    if noise_multiplier <= 0 or not math.isfinite(sensitivity):
-        return 0.0
-    if mode == "central":
-        return 0.0
-    if mode == "distributed":
-        return noise_multiplier * sensitivity / math.sqrt(shares)
-    if mode == "local":
-        return noise_multiplier * sensitivity
-    raise ValueError(f"unknown noise mode {mode!r}; allowed: {', '.join(NOISE_MODES)}")
+    """Std each client adds to its own sum in noise mode ``mode`` (``NoiseMode.client_noise_std``): 0 (central),
+    z S / sqrt(m_min) (distributed, ``shares`` = m_min of ``min_shares``), z S (local). ValueError for an unknown
+    mode."""
+    return noise_mode(mode).client_noise_std(noise_multiplier, sensitivity, shares)
 
 
 def server_noise_std(mode: str, noise_multiplier: float, sensitivity: float, shares: int, replied: int) -> float:
-    """Std the server adds to the summed replies: z S (central), the top-up z S sqrt((m_min - k) / m_min) when only
-    k < m_min shares arrived (distributed; 0 for k >= m_min, which is every release ``collect_round`` lets
-    through), 0 (local)."""
-    if noise_multiplier <= 0 or not math.isfinite(sensitivity):
-        return 0.0
-    if mode == "central":
-        return noise_multiplier * sensitivity
-    if mode == "distributed":
-        return noise_multiplier * sensitivity * math.sqrt(max(shares - replied, 0) / shares)
-    if mode == "local":
-        return 0.0
-    raise ValueError(f"unknown noise mode {mode!r}; allowed: {', '.join(NOISE_MODES)}")
+    """Std the server adds to the summed replies (``NoiseMode.server_noise_std``): z S (central), the top-up
+    z S sqrt((m_min - k) / m_min) when only k < m_min shares arrived (distributed), 0 (local)."""
+    return noise_mode(mode).server_noise_std(noise_multiplier, sensitivity, shares, replied)
 
 
 def released_noise_std(mode: str, noise_multiplier: float, sensitivity: float, shares: int, replied: int) -> float:
-    """Std of the noise in a released sum of ``replied`` clients' replies, the server's part included: z S
-    (central), z S sqrt(max(k, m_min) / m_min) (distributed: at least the planned z S; more when more than
-    m_min shares arrived), z S sqrt(k) (local)."""
-    if noise_multiplier <= 0 or not math.isfinite(sensitivity):
-        return 0.0
-    share = client_noise_std(mode, noise_multiplier, sensitivity, shares)
-    top_up = server_noise_std(mode, noise_multiplier, sensitivity, shares, replied)
-    return math.sqrt(replied * share**2 + top_up**2)
+    """Std of the noise in a released sum of ``replied`` clients' replies, the server's part included
+    (``NoiseMode.released_noise_std``): z S (central), z S sqrt(max(k, m_min) / m_min) (distributed), z S sqrt(k)
+    (local)."""
+    return noise_mode(mode).released_noise_std(noise_multiplier, sensitivity, shares, replied)
 
 
 def server_view_multiplier(mode: str, noise_multiplier: float, shares: int, replied: int) -> float:
-    """The noise multiplier that protects a record against the server itself: 0 in central mode (it sees
-    clipped sums), z sqrt(k / m_min) in distributed mode (only the k shares in the sum are unknown to it; a
-    top-up of its own is not; >= z for every released sum), z in local mode (every reply carries the full
-    noise)."""
-    if mode == "central":
-        return 0.0
-    if mode == "distributed":
-        return noise_multiplier * math.sqrt(replied / shares) if replied else math.inf
-    return noise_multiplier
-
-
-# The SecAgg+ grid (server/flower/secagg.py): stochastic rounding of a share y to a grid of step s returns
-# floor or ceil with the probabilities that make it unbiased, so its error has mean 0 and variance
-# p (1 - p) s^2 <= s^2 / 4 per coordinate. The Gaussian accounting does not model it (it is not Gaussian, and the
-# rounded shares' sum is not a function of their exact sum), so the grid must keep it a negligible part of
-# the noise: step <= SECAGG_STEP_OVER_SHARE_STD x the share's std sigma bounds the rounding's variance by
-# (0.1 / 2)^2 = 1/400 of the share's noise variance (its std by 0.125 %), for every share and so for every sum.
-SECAGG_STEP_OVER_SHARE_STD = 0.1
-SECAGG_MODULUS_BITS = 32
-
-
-def secagg_grid(largest_shard: int, share_std: float, nodes: int) -> tuple[float, int]:
-    """(R, Q) of a SecAgg+ round: the clipping range R = largest_shard + 1 + 10 share_std and the
-    quantisation range Q = 2^(31 - ceil(log2 max(nodes, 2))), so that nodes x Q <= 2^31 and the modular sum
-    cannot wrap. ``share_std``: the largest noise share of the round in units of the queries' sensitivity S;
-    R covers any clipped sum (each coordinate at most S times the node's record count) plus that share except
-    with probability < 1e-22 per coordinate. The grid step is 2 R / Q, in units of S."""
-    r = float(largest_shard + 1) + 10.0 * share_std
-    q = 2 ** (SECAGG_MODULUS_BITS - 1 - max(1, math.ceil(math.log2(max(nodes, 2)))))
-    return r, q
+    """The noise multiplier that protects a record against the server itself (``NoiseMode.server_view_multiplier``):
+    0 (central), z sqrt(k / m_min) (distributed), z (local)."""
+    return noise_mode(mode).server_view_multiplier(noise_multiplier, shares, replied)
 
 
 def check_distributed(cfg: Config, noise: Mapping[str, float], largest_shard: int) -> list[str]:
-    """Check a private noise-mode=distributed run before any work (``cfg`` its configuration, ``noise`` the
-    calibrated multipliers, ``largest_shard`` as in ``check_secagg_grid``): ConfigError from ``min_shares`` or
-    ``check_secagg_grid``; returns warnings (a share calibrated for fewer clients than there are: every
-    release of all m clients then carries m / m_min times the planned variance)."""
-    shares = min_shares(cfg.on_client_failure, cfg.min_clients, cfg.num_clients)
-    check_secagg_grid(noise, shares, cfg.num_clients, largest_shard)
-    if shares == cfg.num_clients:
-        return []
-    return [f"noise-mode=distributed with on-client-failure=drop and min-clients={shares} of num-clients="
-            f"{cfg.num_clients}: each client adds N(0, (z S)^2 / {shares}) so that any release of at least {shares} "
-            f"shares carries the planned noise, also against the server; a release of all {cfg.num_clients} carries "
-            f"{cfg.num_clients / shares:.3g} x the planned variance (more privacy, less accuracy); raise min-clients "
-            "to add less noise and tolerate fewer failures"]
+    """Check a private noise-mode=distributed run before any work (``Distributed.check``): ConfigError from
+    ``min_shares`` or ``check_secagg_grid``; returns warnings."""
+    return NOISE_MODES["distributed"].check(cfg, noise, largest_shard)
 
 
-def check_secagg_grid(noise: Mapping[str, float], shares: int, nodes: int, largest_shard: int) -> float:
-    """Refuse a distributed-mode run whose SecAgg+ grid step is not small against a client's noise share.
-
-    ``noise``: mechanism -> calibrated noise multiplier z; ``shares``: m_min (``min_shares``); ``nodes``: the
-    number of clients m; ``largest_shard``: the most training records one client holds (public, as n). The
-    worst case over the run: the grid of a round whose largest share is z_max / sqrt(m_min) against the
-    smallest share z_min / sqrt(m_min). Returns step / share std (at most ``SECAGG_STEP_OVER_SHARE_STD``);
-    raises ConfigError, before any work, when it is larger."""
-    zs = [z for z in noise.values() if z > 0 and math.isfinite(z)]
-    if not zs:
-        return 0.0
-    smallest, largest = min(zs) / math.sqrt(shares), max(zs) / math.sqrt(shares)
-    r, q = secagg_grid(largest_shard, largest, nodes)
-    ratio = 2.0 * r / q / smallest
-    if ratio > SECAGG_STEP_OVER_SHARE_STD:
-        raise ConfigError(
-            f"config key 'noise-mode': got 'distributed'; its SecAgg+ grid step 2 R / Q = {2 * r / q:.3g} (R = "
-            f"largest shard {largest_shard} + 1 + 10 share stds, Q = {q} for num-clients {nodes}; units of a "
-            f"release's sensitivity) is {ratio:.3g} x the smallest client noise share's std z / sqrt(m_min) = "
-            f"{min(zs):.4g} / sqrt({shares}) = {smallest:.3g}; allowed: at most {SECAGG_STEP_OVER_SHARE_STD:g} x, so "
-            "that stochastic rounding (variance <= step^2 / 4 per coordinate, not modelled by the accounting) stays "
-            "below 1/400 of a share's noise variance. Use fewer records per client (smaller shards), a smaller "
-            "min-clients with on-client-failure=drop (larger shares), a smaller epsilon, or noise-mode=central "
-            "or local")
-    return ratio
-
-
-def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator,
-               expected: float | None = None) -> np.ndarray:
+def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator, *,
+               secure: bool = False, expected: float | None = None) -> np.ndarray:
     """(total + N(0, noise_std^2 I)) / (rate n): the released mean. noise_std = 0 adds no noise (non-private
-    runs, local mode, or distributed mode with every share present). ``expected``: another divisor, the expected
-    number of units summed (node sampling: server/node_sampling.py ``expected_count``); default rate n."""
+    runs, local mode, or distributed mode with every share present). ``secure`` (config key secure-noise): the
+    noise comes from ``common.rng.secure_gaussian`` (OS CSPRNG, sum of 4 draws) instead of ``rng``. ``expected``:
+    another divisor, the expected number of units summed (node sampling: server/node_sampling.py
+    ``expected_count``); default rate n."""
     out = np.array(total, dtype=np.float64)
     if noise_std > 0:
-        out += rng.normal(0.0, noise_std, size=out.shape)
+        out += gaussian_noise(noise_std, out.shape, rng, secure=secure)
     return out / (query.rate * n if expected is None else expected)

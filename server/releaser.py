@@ -16,22 +16,13 @@ from ..common.config import Config
 from ..common.eval_counts import EVAL_QUANTITY
 from ..common.faults import active_fault
 from ..common.messages import Query, Reply
+from ..common.noise_modes import noise_mode
 from ..common.rng import site_rng
 from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
 from .node_sampling import expected_count, sample_partitions
-from .release import (
-    aggregate,
-    client_noise_std,
-    min_shares,
-    noisy_mean,
-    released_noise_std,
-    server_noise_std,
-    server_view_multiplier,
-    split_valid,
-    sum_rounding_factor,
-)
+from .release import aggregate, min_shares, noisy_mean, split_valid, sum_rounding_factor
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -117,7 +108,7 @@ class Releaser:
     noise, normalises and records the event. One instance per run; shared by the setup and training stages.
 
     ``server_ledger`` is a second ``Ledger`` that records every release as the server itself saw it, at the
-    multiplier ``release.server_view_multiplier`` (the guarantee against the server in distributed and local noise
+    multiplier ``NoiseMode.server_view_multiplier`` (the guarantee against the server in distributed and local noise
     modes; in central mode the server saw unnoised sums: multiplier 0, epsilon inf). Outside central mode it
     guards too (``_check_server_view``): a release that would take the epsilon against the server past the target
     is refused. In distributed mode each client's share is calibrated for ``shares`` = m_min
@@ -135,6 +126,7 @@ class Releaser:
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
                                     ledger.node_rate)
+        self.mode = noise_mode(cfg.noise_mode)  # where the noise is drawn (common/noise_modes.py)
         self.node_unit = cfg.privacy_unit == "node"
         if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.9)
             self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
@@ -151,13 +143,14 @@ class Releaser:
         the noise std each client adds in this noise mode."""
         cfg = self.cfg
         diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
-        count_scale = cfg.clip_count_scale if (cfg.private and diagnostics and math.isfinite(q.clip)) else 0.0
+        counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
+        count_scale = cfg.clip_count_scale if counted else 0.0
         if self.node_unit:  # no clipped-count coordinate; the release is charged at the node-sampling rate
             count_scale = 0.0
             q = dataclasses.replace(q, rate=cfg.node_sampling_rate)
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
-        share = client_noise_std(cfg.noise_mode, z, self.noise_sensitivity(q), self.shares)
+        share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)
         return dataclasses.replace(q, noise_std=share)
 
     def noise_sensitivity(self, q: Query) -> float:
@@ -184,20 +177,20 @@ class Releaser:
             self._check_server_view()
             self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
             z = self.ledger.noise_multiplier(q.mechanism)
-            mode = self.cfg.noise_mode
+            mode, trusted = self.mode.name, self.mode.trusts_server
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
-            std = server_noise_std(mode, z, self.noise_sensitivity(q), self.shares, clients)
+            std = self.mode.server_noise_std(z, self.noise_sensitivity(q), self.shares, clients)
             expected = self.expected(q)
-            mean = noisy_mean(q, total, std, self.n, rng, expected)
+            mean = noisy_mean(q, total, std, self.n, rng, secure=self.cfg.secure_noise, expected=expected)
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
                      "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
-            if mode != "central" and seen is not None:
+            if not trusted and seen is not None:
                 event["server_view_multiplier"] = seen
-            if mode != "central" and z > 0:
+            if not trusted and z > 0:
                 event["server_topup_std"] = std
-                event["released_noise_std_of_mean"] = released_noise_std(
-                    mode, z, self.noise_sensitivity(q), self.shares, clients) / expected
+                event["released_noise_std_of_mean"] = self.mode.released_noise_std(
+                    z, self.noise_sensitivity(q), self.shares, clients) / expected
                 bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
@@ -229,9 +222,9 @@ class Releaser:
             return None
         z = self.ledger.noise_multiplier(q.mechanism) if self.cfg.private else 0.0
         clients = sum(r.clients for r in replies)
-        seen = server_view_multiplier(self.cfg.noise_mode, z, self.shares, clients)
+        seen = self.mode.server_view_multiplier(z, self.shares, clients)
         self.server_ledger.record_seen(q.mechanism, q.rate, seen)
-        if discarded and self.cfg.noise_mode != "central":
+        if discarded and not self.mode.trusts_server:
             self.rd.append_events([{"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate,
                                     "attempt": q.attempt, "clients": clients, "discarded": True,
                                     "server_view_multiplier": seen}])
@@ -241,7 +234,7 @@ class Releaser:
         """Refuse (PrivacyBudgetExceeded) what would take the epsilon against the server past the target: one
         more release of ``q`` at its planned multiplier (before any client is asked), or, without ``q``, what the
         server has seen so far (before releasing). Not in central mode, where the server is trusted."""
-        if self.cfg.noise_mode == "central" or not self.cfg.private:
+        if self.mode.trusts_server or not self.cfg.private:
             return
         try:
             if q is None:

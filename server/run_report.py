@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.atomic import atomic_write_bytes
+from ..common.noise_modes import noise_mode
 
 TRAINING_CURVES = "plots/training_curves.png"
 PER_CLASS = "plots/per_class_accuracy.png"
@@ -257,7 +258,8 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
                   f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, {_unit_text(summary)}, accountant "
                   f"{summary['accountant']}",
                   f"- Noise mode: {summary['noise_mode']}. Trust model: {summary['trust_model']}"]
-        if summary["noise_mode"] != "central" and summary.get("epsilon_against_server") is not None:
+        trusted = noise_mode(summary["noise_mode"]).trusts_server
+        if not trusted and summary.get("epsilon_against_server") is not None:
             lines.append(f"- Epsilon against the server itself: {_fmt_eps(summary['epsilon_against_server'])}")
     else:
         lines.append("- **NOT PRIVATE**: epsilon = inf, no clipping and no noise.")

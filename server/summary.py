@@ -12,9 +12,9 @@ from .. import __version__
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.config import SEEDED_NOT_PRIVATE, Config
 from ..common.eval_counts import evaluates_on_nodes
+from ..common.noise_modes import noise_mode
 from .allocation import proxy_variance
 from .ledger import Ledger
-from .release import SECAGG_STEP_OVER_SHARE_STD
 from .releaser import Releaser
 
 
@@ -82,15 +82,7 @@ def trust_statement(cfg: Config, transport_name: str) -> str:
         return (f"{SEEDED_NOT_PRIVATE}: reproducible=true (reproducible-for-testing): every noise draw and Poisson "
                 "sample derives from the seed saved in summary.json, so anyone with it can subtract the noise; "
                 "epsilon is what the same mechanism would give with secret seeds")
-    if cfg.noise_mode == "central":
-        return ("central: the server saw every client's clipped sum without noise (trusted); epsilon holds for "
-                "everything it released")
-    if cfg.noise_mode == "local":
-        return "local: every client noised its own sum; epsilon holds against everyone, the server included"
-    where = ("the server saw only SecAgg+ sums of the clients' noised sums" if transport_name == "flower" else
-             "in-process run: noise placed as in distributed mode, but no secure aggregation took place")
-    return (f"distributed: {where}; epsilon holds for everything released, epsilon_against_server against the "
-            "server itself (every released sum has at least the planned noise; discarded partial sums count)")
+    return noise_mode(cfg.noise_mode).trust_statement(transport_name)
 
 
 def not_accounted(cfg: Config, setup) -> list[str]:
@@ -108,19 +100,20 @@ def not_accounted(cfg: Config, setup) -> list[str]:
     if cfg.eval_split == "validation" and not evaluates_on_nodes(cfg):  # on the nodes: noisy counts, charged
         out.append("validation metrics: computed on held-out training records and reported without noise (for "
                    "tuning only)")
-    if cfg.noise_mode == "distributed":
-        out.append("SecAgg+ quantisation: the rounding of each client's noised sum (grid step at most "
-                   f"{SECAGG_STEP_OVER_SHARE_STD:g} x a share's noise std, checked before the run; bounded and "
-                   "reported per release) is not modelled by the Gaussian accounting")
+    out += noise_mode(cfg.noise_mode).not_accounted() if cfg.private else []
     if cfg.private and cfg.privacy_unit == "node":
         out.append("n and the shard sizes: released exactly (config.json, summary.json) and used to fit the batch "
                    "keys; with privacy-unit=node a neighbouring data set changes one node's records and their number, "
                    "which the epsilon does not cover")
     # with privacy-unit=record, n and the shard sizes are not listed: the unit (one record replaced with the null
     # record, which stays on its client) keeps them the same in neighbouring data sets (server/ledger.py)
-    if cfg.private:  # assumptions every private run makes (docs/explanation/privacy.md)
+    if cfg.private and cfg.secure_noise:  # assumptions every private run makes (docs/explanation/privacy.md)
+        out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; with secure-noise=true the "
+                "noise is the sum of 4 draws built of OS CSPRNG bytes (Opacus' secure_mode; Holohan and Braghin 2021), "
+                "which resists the floating-point attacks of Mironov 2012 but is not an exact Gaussian either"]
+    elif cfg.private:
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; dpdro does not protect "
-                "against floating-point attacks on the Gaussian mechanism (Mironov 2012)"]
+                "against floating-point attacks on the Gaussian mechanism (Mironov 2012) unless secure-noise=true"]
     out += [CHOSEN_ON_PRIVATE_TEXT[item] for item in cfg.chosen_on_private]
     if "hyper-parameters" not in cfg.chosen_on_private:
         out.append("hyper-parameters: not privacy-accounted (if you chose them on the private records, that choice "

@@ -15,7 +15,9 @@ from other processes on a shared machine disturbs both sides alike):
   (e) ledger cost of 10,000 planned releases plus one epsilon evaluation, and its share of the time of
       10,000 refresh steps;
   (f) step time, samples per second and peak memory against batch size, chunk size and model (GroupNorm
-      CNN on 1x28x28, GroupNorm ResNet20 on 3x32x32), each in a fresh subprocess so peaks do not mix.
+      CNN on 1x28x28, GroupNorm ResNet20 on 3x32x32), each in a fresh subprocess so peaks do not mix;
+  (g) a noised refresh step with secure-noise=true (the sum of 4 CSPRNG Gaussian draws, ``common.rng``) / the
+      same step with the default PCG64 draw: what config key secure-noise costs in step time.
 
 Timed steps use synthetic inputs of the data set's shape (timing does not depend on pixel values) and the
 same ``client.worker.clipped_total`` code that answers real queries. Times are seconds, memory MiB.
@@ -46,6 +48,7 @@ from ..common.models import make_model
 from ..common.per_sample import FlatModel
 from ..common.psi import make_psi
 from ..common.quantities import QUANTITIES, Problem
+from ..common.rng import gaussian_noise
 
 INPUT_SHAPES = {"cnn": (1, 28, 28), "cnn32": (3, 32, 32), "resnet20": (3, 32, 32)}
 TARGETS = {"a": None, "b": 2.2, "c": 1.0, "d": 1.2, "e": 0.01}
@@ -133,10 +136,12 @@ class StepBench:
 
     Args:
         model_name: 'cnn' or 'resnet20'; batch: records B; chunk_size; device: torch device.
-        Per-record gradients come from torch.func (``FlatModel``), exactly as clients compute them.
+        Per-record gradients come from ``engine`` (``FlatModel``; default torch.func), exactly as clients compute
+        them.
     """
 
-    def __init__(self, model_name: str, batch: int, chunk_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model_name: str, batch: int, chunk_size: int, device: torch.device, seed: int = 0,
+                 engine: str = "torch.func") -> None:
         self.device = device
         self.model_name = model_name
         self.batch = batch
@@ -144,14 +149,15 @@ class StepBench:
         gen = torch.Generator().manual_seed(seed)
         self.x = (torch.rand(batch, *INPUT_SHAPES[model_name], generator=gen) * 2 - 1).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-        self.module = make_model(model_name, 10, seed).to(device)
-        self.flat_model = FlatModel(self.module)
+        self.module = make_model(model_name, 10, seed, input_shape=INPUT_SHAPES[model_name]).to(device)
+        self.flat_model = FlatModel(self.module, engine)
         self.flat_model_opacus = FlatModel(self.module, "opacus")  # the other per-record engine, same module
         self.flat0 = self.flat_model.initial().detach()
         self.flat1 = self.flat0 + 1e-3 * torch.randn(self.flat0.shape, generator=gen).to(device)
         self.problem = Problem(psi=make_psi("chi2", 0.1), lam=1.0, eta_scale=1.0)
         self.rows = torch.arange(batch, device=device)
         self.fn = QUANTITIES["dual-x"]
+        self.noise_rng = np.random.default_rng(seed)
 
     def refresh(self, chunk_size: int | None = None) -> torch.Tensor:
         """x-refresh: clipped (C = 1) sum over the batch of the per-record grad_x L (chi2 dual), (d,)."""
@@ -174,6 +180,12 @@ class StepBench:
         """x-diff: clipped (C = 1) sum of per-record grad_x L(flat1) - grad_x L(flat0), (d,)."""
         return clipped_total(self.flat_model, self.fn, [self.flat1, self.flat0], [0.1, 0.1], (1.0, -1.0),
                              self.x, self.y, self.rows, 1.0, self.flat_model.dim, self.problem, (), self.chunk_size)[0]
+
+    def noised(self, secure: bool) -> np.ndarray:
+        """The refresh step as a client answers it in local noise mode: the clipped sum to float64 plus N(0, 1) per
+        coordinate from PCG64 (``secure`` false) or the secure sampler (config key secure-noise)."""
+        total = self.refresh().cpu().numpy().astype(np.float64)
+        return total + gaussian_noise(1.0, total.shape, self.noise_rng, secure=secure)
 
     def nonprivate(self) -> None:
         """Non-private minibatch gradient: forward and backward of the mean cross-entropy."""
@@ -223,7 +235,8 @@ def bench_steps(opts: BenchOptions, device: torch.device) -> dict:
     opacus = sb.opacus_step()
     reps = opts.resolved_repeats()
     t = interleaved({"nonprivate": sb.nonprivate, "refresh": sb.refresh, "difference": sb.difference,
-                     "opacus": opacus, "refresh_opacus": sb.refresh_opacus, "opacus_grads": sb.opacus_grads},
+                     "opacus": opacus, "refresh_opacus": sb.refresh_opacus, "opacus_grads": sb.opacus_grads,
+                     "noised": lambda: sb.noised(secure=False), "noised_secure": lambda: sb.noised(secure=True)},
                     reps, device)
     med = {k: statistics.median(v) for k, v in t.items()}
     c_by_engine = {"torch.func": median_ratio(t["refresh"], t["opacus"]),
@@ -235,10 +248,12 @@ def bench_steps(opts: BenchOptions, device: torch.device) -> dict:
         "a": median_ratio(t["refresh"], t["nonprivate"]),
         "b": median_ratio(t["difference"], t["refresh"]),
         "c": c_by_engine[chosen], "c_by_engine": c_by_engine, "chosen_engine": chosen,
+        "g": median_ratio(t["noised_secure"], t["noised"]),
         "ranges": {k: ratio_range(t[n], t[d]) for k, (n, d) in
                    {"a": ("refresh", "nonprivate"), "b": ("difference", "refresh"),
                     "c": ("refresh" if chosen == "torch.func" else "refresh_opacus", "opacus"),
-                    "c-torch.func": ("refresh", "opacus"), "c-opacus": ("refresh_opacus", "opacus")}.items()},
+                    "c-torch.func": ("refresh", "opacus"), "c-opacus": ("refresh_opacus", "opacus"),
+                    "g": ("noised_secure", "noised")}.items()},
         "samples_per_second_refresh": opts.batch / med["refresh"],
         # beyond the shared per-record gradient pass (per repetition, then the median): what our refresh step
         # (opacus engine) adds, what Opacus' DP-SGD step adds (its clipping, noise and update)
@@ -498,6 +513,9 @@ def ratio_rows(res: dict) -> list[tuple[str, str, float, str, str]]:
     elif "flower_error" in res:
         rows.append(("d", "Flower simulation / single node (the Flower run FAILED, see notes)", math.nan, "<= 1.2",
                      "NOT measured"))
+    if "g" in s:
+        rows.append(("g", "noised refresh step with secure-noise=true (4 CSPRNG draws) / with a PCG64 draw", s["g"],
+                     "-", "-"))
     rows.append(("e", "ledger (10,000 charges + 1 epsilon) / 10,000 refresh steps", e["share"], "< 0.01",
                  _verdict(e["share"], 0.01, strict=True)))
     return rows

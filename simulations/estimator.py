@@ -37,6 +37,13 @@ states are the algorithm's own (``queries``): the difference clip C_t is the one
 target and the per-record terms, a fixed uniform subsample of ``target-records`` training records stands for the
 n records (its mean for theirs; sampling rates and batch sizes are those of the n records).
 
+The levers of server/algorithms/diff_levers.py are measured as a run would use them: with x-estimator='storm' the
+x block's estimate is sum_j (1 - a)^(t - t_j) X_j over its releases (``estimate_terms``' decay) and its differences
+are the algorithm's own STORM terms; with clip-diff-rule='private-quantile' the difference clip's C_diff follows the
+geometric update along the measured window from the fraction of the target records under each threshold (the
+count without its noise: the path a long phase's C_diff would take, not the q = 1 trajectory's constant), and the
+count releases are in each q's plan, so equal epsilon includes their cost.
+
 A measurement on the training records, not a private release: nothing it prints is covered by the ledger (like
 the tuning searches, docs/research/TUNING.md). The estimate is in the units the algorithm updates with
 (recursive-spider's v/u releases divided by k_t, ``release_unit``).
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import logging
 import math
@@ -69,6 +77,7 @@ from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model
 from ..common.per_sample import FlatModel, RowBlocks, clip_margin, clipped_sum_and_count, norm_upper_bound
 from ..server import setup as setup_releases
+from ..server.algorithms import diff_levers as levers
 from ..server.algorithms import make_algorithm
 from ..server.algorithms.base import Algorithm, State
 from ..server.engine import plan_run, resolve_delta
@@ -147,16 +156,22 @@ def release_unit(algo: Algorithm, state: State, mechanism: str) -> float:
 
 
 def estimate_terms(refresh: ReleaseStats, diffs: Sequence[ReleaseStats], target: ReleaseStats, n: int,
-                   z_refresh: float, z_diff: float) -> dict[str, float]:
+                   z_refresh: float, z_diff: float, decay: float = 1.0) -> dict[str, float]:
     """The three terms (module docstring) of the estimate R + D_1 + ... + D_k against ``target`` (the refresh at
     the estimate's own point), for n records and noise multipliers z_refresh, z_diff: {'clip_bias', 'sampling',
-    'noise', 'mse' (their sum), 'target_sq' (||target||^2)}, all in the estimator's units squared."""
+    'noise', 'mse' (their sum), 'target_sq' (||target||^2)}, all in the estimator's units squared. ``decay``:
+    1 - a of x-estimator='storm' (server/algorithms/diff_levers.py), whose estimate is
+    sum_j decay^(k - j) X_j over the releases X_0 = R, X_j = D_j (each term and its variance weighted so); 1: SPIDER."""
     releases = [(refresh, z_refresh), *((d, z_diff) for d in diffs)]
-    expected = sum(s.unit * s.mean for s, _ in releases)
+    k = len(diffs)
+    weights = [decay ** (k - j) for j in range(k + 1)]
+    expected = sum(w * s.unit * s.mean for w, (s, _) in zip(weights, releases, strict=True))
     goal = target.unit * target.mean
     bias = float(np.sum((expected - goal) ** 2))
-    sampling = sum(s.unit**2 * (1.0 - s.rate) / (s.rate * n) * s.mean_sq for s, _ in releases)
-    noise = sum(s.unit**2 * s.dim * (z * s.sensitivity / (s.rate * n)) ** 2 for s, z in releases if z > 0)
+    sampling = sum(w**2 * s.unit**2 * (1.0 - s.rate) / (s.rate * n) * s.mean_sq
+                   for w, (s, _) in zip(weights, releases, strict=True))
+    noise = sum(w**2 * s.unit**2 * s.dim * (z * s.sensitivity / (s.rate * n)) ** 2
+                for w, (s, z) in zip(weights, releases, strict=True) if z > 0)
     return {"mse": bias + sampling + noise, "sampling": sampling, "noise": noise, "clip_bias": bias,
             "target_sq": float(np.sum(goal**2))}
 
@@ -280,13 +295,24 @@ def measure_releases(keys: Mapping[str, Any], trajectory: Trajectory, worker: Sh
     diff_names = {d: r for r, d in pairs}
     releaser = trajectory.releaser
     out: dict[tuple[str, int, str], ReleaseStats] = {}
+    quantile = levers.quantile_rule(long.cfg)
+    clip_diff = long.cfg.clip_diff
     for state in trajectory.states:
         if state.t not in ts:
             continue
         wanted = [(q, refresh_names[q.mechanism], REFRESH) for q in every.queries(state)
                   if q.mechanism in refresh_names]
         if with_diffs and state.t > ts.start:
-            wanted += [(q, diff_names[q.mechanism], DIFF) for q in long.queries(state) if q.mechanism in diff_names]
+            if quantile and hasattr(state, "clip_diff"):  # the long phase's own C_diff path (noise-free count)
+                state = dataclasses.replace(state, clip_diff=clip_diff)
+            diff_queries = long.queries(state)
+            wanted += [(q, diff_names[q.mechanism], DIFF) for q in diff_queries if q.mechanism in diff_names]
+            for q in diff_queries:
+                if q.count_only:
+                    under = 1.0 - release_stats(worker, dataclasses.replace(q, count_only=False), every.versions(
+                        state), 1.0).clip_fraction
+                    clip_diff = levers.next_clip_diff(levers.clip_diff_now(long.cfg, clip_diff), under,
+                                                      long.cfg.clip_diff_quantile, long.cfg.clip_diff_quantile_lr)
         for query, block, kind in wanted:
             query = releaser.decorate(query)
             sensitivity = releaser.noise_sensitivity(query)
@@ -335,8 +361,9 @@ def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = D
         for ref, diff in pairs:
             for t in ts:
                 t0 = t - t % q
+                decay = 1.0 - levers.storm_a(q_cfg) if ref == "x-refresh" else 1.0
                 terms = estimate_terms(stats[(ref, t0, REFRESH)], [stats[(ref, k, DIFF)] for k in range(t0 + 1, t + 1)],
-                                       stats[(ref, t, REFRESH)], n, noise[ref], noise[diff])
+                                       stats[(ref, t, REFRESH)], n, noise[ref], noise[diff], decay)
                 kind = REFRESH if t == t0 else DIFF
                 this = stats[(ref, t, kind)]
                 rows.append({"method": cfg.algorithm, "level": cfg.dro_level, "block": block_name(ref),

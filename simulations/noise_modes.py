@@ -69,5 +69,16 @@ def run_noise_modes(iterations: int, root: Path, docs: Path, app_dir: Path = Pat
               "utility cost for a guarantee that holds against the server.", ""]
     docs.mkdir(parents=True, exist_ok=True)
     path = docs / "NOISE_MODES.md"
-    atomic_write_text(path, "\n".join(lines))
+    atomic_write_text(path, "\n".join(lines) + kept_sections(path))
     return path
+
+
+
+def kept_sections(path: Path) -> str:
+    """The sections ('## ' headings onwards) of an existing NOISE_MODES.md: measured by other commands, each named in
+    its text (secure noise, the distributed discrete Gaussian), they survive a regeneration of the table."""
+    if not path.exists():
+        return ""
+    text = path.read_text(encoding="utf-8")
+    at = text.find("\n## ")
+    return "" if at < 0 else "\n" + text[at + 1:]

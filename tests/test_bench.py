@@ -114,8 +114,9 @@ def test_tiny_bench_run_has_every_ratio(tmp_path):
     res = run_bench(BenchOptions(quick=True, batch=16, chunk_size=8, repeats=2, flower=False, doc=str(doc),
                                  sweep=[("cnn", 16, 8), ("resnet20", 4, 2)]), log=lambda s: None)
     rows = {k: v for k, _, v, _, _ in ratio_rows(res)}
-    assert set(rows) == {"a", "b", "c", "c-torch.func", "c-opacus", "e"}
+    assert set(rows) == {"a", "b", "c", "c-torch.func", "c-opacus", "e", "g"}
     assert rows["c"] == min(rows["c-torch.func"], rows["c-opacus"])  # (c) is the faster engine's
+    assert 0 < rows["g"] < math.inf  # secure-noise's step time over PCG64's
     assert res["steps"]["chosen_engine"] in ("torch.func", "opacus")
     for k, v in rows.items():
         assert math.isfinite(v) and v > 0, (k, v)

@@ -104,9 +104,10 @@ def test_no_doc_says_reading_or_choosing_on_private_splits_is_free():
                     f"{path.relative_to(ROOT)}: {sentence!r}")
 
 
-# Claims about randomness that were false of the code: the noise comes from numpy's PCG64 seeded from the OS
-# CSPRNG (common/rng.py), not from the CSPRNG itself; and Opacus' secure_mode does resist floating-point attacks
-# on the Gaussian mechanism (Mironov 2012), which dpdro does not.
+# Claims about randomness that were false of the code: by default the noise comes from numpy's PCG64 seeded from
+# the OS CSPRNG (common/rng.py), not from the CSPRNG itself (only secure-noise=true builds it of CSPRNG bytes, which
+# the docs say in those words); and Opacus' secure_mode does resist floating-point attacks on the Gaussian
+# mechanism (Mironov 2012), which dpdro's default does not.
 WRONG_CLAIMS = {
     r"\b(?:noise|draws?|samples?|sampling)\b(?: (?:all )?(?:comes?|is drawn|are drawn))? from the "
     r"(?:OS|operating system's) CSPRNG": "the noise comes from PCG64 seeded from the OS CSPRNG, not the CSPRNG",

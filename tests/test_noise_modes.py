@@ -312,9 +312,9 @@ def test_a_release_past_the_target_against_the_server_is_refused(small_config, t
 def test_the_secagg_grid_floor_is_checked_before_any_work(small_config, tmp_path, monkeypatch):
     """A single-node distributed run is refused before the run directory exists when its grid step would
     exceed the floor (here the floor is lowered to make MNIST-ST's tiny step too coarse)."""
-    import dpdro.server.release as release
+    import dpdro.common.noise_modes as noise_modes
 
-    monkeypatch.setattr(release, "SECAGG_STEP_OVER_SHARE_STD", 1e-9)
+    monkeypatch.setattr(noise_modes, "SECAGG_STEP_OVER_SHARE_STD", 1e-9)
     cfg = small_config(noise_mode="distributed")
     with pytest.raises(ConfigError, match="SecAgg\\+ grid step .* allowed: at most 1e-09 x"):
         _run(cfg)

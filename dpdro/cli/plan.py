@@ -42,7 +42,7 @@ def privacy_plan(cfg) -> dict:
     as training would, before any release."""
     from dpdro.client.local_transport import LocalTransport
     from dpdro.common.data import load_from_config
-    from dpdro.server.release import check_distributed
+    from dpdro.common.noise_modes import noise_mode
     from dpdro.server.run_plan import check_groups, check_records, describe_plan, plan_training
 
     train_set = load_from_config(cfg, train=True)
@@ -51,8 +51,8 @@ def privacy_plan(cfg) -> dict:
     check_records(cfg, transport.num_records)
     plan = plan_training(cfg, transport.num_records, train_set.num_classes, train_set.num_groups,
                          tuple(train_set.x.shape[1:]))
-    if plan.cfg.private and plan.cfg.noise_mode == "distributed":
-        for warning in check_distributed(plan.cfg, plan.noise, transport.largest_shard):
+    if plan.cfg.private:
+        for warning in noise_mode(plan.cfg.noise_mode).check(plan.cfg, plan.noise, transport.largest_shard):
             logging.getLogger(__name__).warning("%s", warning)
     return describe_plan(plan)
 

@@ -60,6 +60,7 @@ from ...common.quantities import dro_weight_bound
 from ...common.rng import site_rng
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
+from . import diff_levers as levers
 from .base import Algorithm, State
 from .group_dro import GroupDoubleSpider
 from .registry import register_algorithm
@@ -69,7 +70,8 @@ from .registry import register_algorithm
 class DoubleSpiderState(State):
     """x, x_prev: (d,) float64 iterates x_t and x_{t-1}; eta, eta_prev: eta_t, eta_{t-1}; eta_next:
     eta_{t+1} once the eta block ran; a: eta estimator; b: (d,) x estimator; tau and x_out/eta_out: the
-    output iterate for output-iterate=random; last_clip_diff: C_t of the latest difference release."""
+    output iterate for output-iterate=random; clip_diff: the x block's C_diff under clip-diff-rule='private-quantile'
+    (0: the configured clip-diff; diff_levers.py)."""
 
     x: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     x_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
@@ -81,6 +83,7 @@ class DoubleSpiderState(State):
     tau: int = -1
     x_out: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     eta_out: float = 0.0
+    clip_diff: float = 0.0
 
 
 @register_algorithm("dp-double-spider")
@@ -97,15 +100,20 @@ class DoubleSpider(Algorithm):
     def mechanisms(self) -> list[Mechanism]:
         c, p = self.cfg, self.params
         ref, diff = self.rate(c.refresh_batch), self.rate(p.diff_batch)
+        quantile = ([Mechanism("x-diff" + levers.QUANTILE_SUFFIX, diff, p.clip_diff_quantile_noise_ratio)]
+                    if levers.quantile_rule(p) else [])
         return [Mechanism("eta-refresh", ref, p.eta_noise_ratio), Mechanism("eta-diff", diff, p.eta_noise_ratio),
-                Mechanism("x-refresh", ref, 1.0), Mechanism("x-diff", diff, 1.0)]
+                Mechanism("x-refresh", ref, 1.0), Mechanism("x-diff", diff, 1.0), *quantile]
 
     def plan(self) -> dict[Mechanism, int]:
         T, q = self.cfg.iterations, self.params.q
         refreshes = math.ceil(T / q)
         m = {mech.name: mech for mech in self.mechanisms()}
-        return {m["eta-refresh"]: refreshes, m["eta-diff"]: T - refreshes,
-                m["x-refresh"]: refreshes, m["x-diff"]: T - refreshes}
+        out = {m["eta-refresh"]: refreshes, m["eta-diff"]: T - refreshes,
+               m["x-refresh"]: refreshes, m["x-diff"]: T - refreshes}
+        if levers.quantile_rule(self.params):
+            out[m["x-diff" + levers.QUANTILE_SUFFIX]] = T - refreshes
+        return out
 
     def init_state(self, x0: np.ndarray) -> DoubleSpiderState:
         c, p = self.cfg, self.params
@@ -115,7 +123,7 @@ class DoubleSpider(Algorithm):
         x0 = np.asarray(x0, dtype=np.float64)
         return DoubleSpiderState(x=x0.copy(), x_prev=x0.copy(), eta=p.eta_init, eta_prev=p.eta_init,
                                  eta_next=p.eta_init, b=np.zeros_like(x0), tau=tau, x_out=x0.copy(),
-                                 eta_out=p.eta_init)
+                                 eta_out=p.eta_init, clip_diff=p.clip_diff)
 
     def versions(self, state: DoubleSpiderState) -> dict[int, np.ndarray]:
         return {state.t: state.x, state.t - 1: state.x_prev} if state.t > 0 else {0: state.x}
@@ -124,10 +132,15 @@ class DoubleSpider(Algorithm):
         c, p, q = self.cfg, self.params, self.params.q
         # Nominal clips (a proxy, fixed before training): the data-free bounds at the public eta-init.
         x_clip = c.clip_x * p.weight_cap if self.weight_after_clip and math.isfinite(p.weight_cap) else c.clip_x
-        return {"eta-refresh": NoiseProfile(1, self.eta_clip(p.eta_init), q),
-                "eta-diff": NoiseProfile(1, p.clip_diff_max, q / 2),
-                "x-refresh": NoiseProfile(self.dim, x_clip, q),
-                "x-diff": NoiseProfile(self.dim, p.clip_diff_max, q / 2)}
+        a = levers.storm_a(p)
+        w_ref, w_diff = levers.storm_weights(q, a)
+        out = {"eta-refresh": NoiseProfile(1, self.eta_clip(p.eta_init), q),
+               "eta-diff": NoiseProfile(1, p.clip_diff_max, q / 2),
+               "x-refresh": NoiseProfile(self.dim, x_clip, w_ref),
+               "x-diff": NoiseProfile(self.dim, levers.storm_clip(a, x_clip, p.clip_diff_max), w_diff)}
+        if levers.quantile_rule(p):
+            out["x-diff" + levers.QUANTILE_SUFFIX] = NoiseProfile(1, 1.0, 1.0)
+        return out
 
     def spider_pairs(self) -> list[tuple[str, str]]:
         return [("eta-refresh", "eta-diff"), ("x-refresh", "x-diff")]
@@ -184,21 +197,30 @@ class DoubleSpider(Algorithm):
         return Query(t, "eta-diff", "dual-eta", (Point(t, state.eta), Point(t - 1, state.eta_prev)),
                      self.rate(p.diff_batch), clip, 1)
 
-    def _x_block_query(self, state: DoubleSpiderState, eta: float, eta_prev: float) -> Query:
-        """The x block's release at (x_t, eta), its difference against (x_{t-1}, eta_prev)."""
+    def _x_block_query(self, state: DoubleSpiderState, eta: float, eta_prev: float) -> list[Query]:
+        """The x block's release at (x_t, eta), its difference (or STORM term, x-estimator='storm') against
+        (x_{t-1}, eta_prev), and with clip-diff-rule='private-quantile' the difference's count release
+        (diff_levers.py: C_diff of this block follows the private quantile; the eta block keeps clip-diff)."""
         c, p, t = self.cfg, self.params, state.t
         if t % p.q == 0:
-            return self._x_query(t, "x-refresh", (Point(t, eta),), self.rate(c.refresh_batch), c.clip(c.clip_x))
-        dx = float(np.linalg.norm(state.x - state.x_prev))
-        return self._x_query(t, "x-diff", (Point(t, eta), Point(t - 1, eta_prev)), self.rate(p.diff_batch),
-                             self._diff_clip(dx, eta - eta_prev))
+            return [self._x_query(t, "x-refresh", (Point(t, eta),), self.rate(c.refresh_batch), c.clip(c.clip_x))]
+        dist = math.hypot(float(np.linalg.norm(state.x - state.x_prev)), eta - eta_prev)
+        threshold = levers.clip_diff_now(p, state.clip_diff) * dist
+        a = levers.storm_a(p)
+        ref_clip = c.clip_x * self.weight_bound(eta) if self.weight_after_clip else c.clip_x
+        clip = c.clip(levers.storm_clip(a, ref_clip, min(threshold, p.clip_diff_max)))
+        diff = dataclasses.replace(self._x_query(t, "x-diff", (Point(t, eta), Point(t - 1, eta_prev)),
+                                                 self.rate(p.diff_batch), clip), coefs=levers.storm_coefs(a))
+        if not levers.quantile_rule(p):
+            return [diff]
+        return [diff, levers.quantile_query(diff, threshold, self.rate(p.diff_batch))]
 
     def queries(self, state: DoubleSpiderState) -> list[Query]:
         if self.simultaneous:
-            return [self._eta_query(state), self._x_block_query(state, state.eta, state.eta_prev)]
+            return [self._eta_query(state), *self._x_block_query(state, state.eta, state.eta_prev)]
         if state.stage == 0:
             return [self._eta_query(state)]
-        return [self._x_block_query(state, state.eta_next, state.eta)]
+        return self._x_block_query(state, state.eta_next, state.eta)
 
     def apply(self, state: DoubleSpiderState, released: dict[str, np.ndarray]) -> DoubleSpiderState:
         c, p = self.cfg, self.params
@@ -212,7 +234,14 @@ class DoubleSpider(Algorithm):
             s.stage = 1
             if not self.simultaneous:
                 return s
-        b = released["x-refresh"] if "x-refresh" in released else state.b + released["x-diff"]
+        if "x-refresh" in released:
+            b = released["x-refresh"]
+        else:
+            b = levers.estimate(state.b, released["x-diff"], levers.storm_a(p))
+        count = released.get("x-diff" + levers.QUANTILE_SUFFIX)
+        if count is not None:
+            s.clip_diff = levers.next_clip_diff(levers.clip_diff_now(p, state.clip_diff), float(count[0]),
+                                                p.clip_diff_quantile, p.clip_diff_quantile_lr)
         if state.t == state.tau:
             s.x_out, s.eta_out = state.x.copy(), state.eta
         s.b = b
@@ -232,4 +261,6 @@ class DoubleSpider(Algorithm):
             out["weight_bound"] = self.weight_bound(state.eta)
         if self.eta_clip_from_bound:
             out["eta_clip"] = self.eta_clip(state.eta)
+        if levers.quantile_rule(self.params):
+            out["clip_diff"] = levers.clip_diff_now(self.params, state.clip_diff)
         return out

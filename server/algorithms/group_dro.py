@@ -55,6 +55,7 @@ from ...common.messages import Point, Query
 from ...common.psi import make_psi
 from ..allocation import NoiseProfile
 from ..ledger import Mechanism
+from . import diff_levers as levers
 from .base import Algorithm, State
 
 
@@ -64,7 +65,8 @@ class GroupState(State):
     group loss sums (per n); m_avg: (K,) its exponential average (dp-double-spider); pi: (K,) group priors (the
     released histogram); w, w_prev: (K,) group weights used at x_t and x_{t-1}; dual: eta (dp-double-spider) or
     lambda (recursive-spider); dual_prev: its previous value; s: the released g estimate (recursive-spider);
-    ref: (K,) the divergence's reference distribution r (pi, or uniform 1/K; dro-reference)."""
+    ref: (K,) the divergence's reference distribution r (pi, or uniform 1/K; dro-reference); clip_diff: C_diff of
+    clip-diff-rule='private-quantile' (0: the configured clip-diff; diff_levers.py)."""
 
     x: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     x_prev: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
@@ -78,6 +80,7 @@ class GroupState(State):
     dual_prev: float = 0.0
     s: float = 1.0
     ref: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    clip_diff: float = 0.0
 
 
 class GroupDro(Algorithm):
@@ -112,8 +115,10 @@ class GroupDro(Algorithm):
 
     def mechanisms(self) -> list[Mechanism]:
         c, p = self.cfg, self.params
+        quantile = ([Mechanism("x-diff" + levers.QUANTILE_SUFFIX, self.rate(p.diff_batch),
+                               p.clip_diff_quantile_noise_ratio)] if levers.quantile_rule(p) else [])
         return [*self.loss_mechanism_list(), Mechanism("x-refresh", self.rate(c.refresh_batch)),
-                Mechanism("x-diff", self.rate(p.diff_batch))]
+                Mechanism("x-diff", self.rate(p.diff_batch)), *quantile]
 
     def loss_mechanism_list(self) -> list[Mechanism]:
         raise NotImplementedError
@@ -123,6 +128,8 @@ class GroupDro(Algorithm):
         refreshes = math.ceil(T / q)
         m = {mech.name: mech for mech in self.mechanisms()}
         out = {m["x-refresh"]: refreshes, m["x-diff"]: T - refreshes}
+        if levers.quantile_rule(self.params):
+            out[m["x-diff" + levers.QUANTILE_SUFFIX]] = T - refreshes
         out.update(self.loss_plan(m, T, refreshes))
         return out
 
@@ -138,7 +145,7 @@ class GroupDro(Algorithm):
         uniform = np.full(k, 1.0 / k)
         return GroupState(x=x0.copy(), x_prev=x0.copy(), b=np.zeros_like(x0), m=np.zeros(k), m_avg=np.zeros(k),
                           pi=uniform, w=np.ones(k), w_prev=np.ones(k), dual=self.dual_init(),
-                          dual_prev=self.dual_init(), ref=uniform.copy())
+                          dual_prev=self.dual_init(), ref=uniform.copy(), clip_diff=self.params.clip_diff)
 
     def start_state(self, x0: np.ndarray, eta0: float | None = None,
                     priors: tuple[float, ...] | None = None) -> GroupState:
@@ -169,19 +176,34 @@ class GroupDro(Algorithm):
         return self.cfg.clip_x * float(np.max(w)) if self.weight_after_clip else self.cfg.clip_x
 
     def x_query(self, state: GroupState) -> Query:
+        return self.x_queries(state)[0]
+
+    def diff_threshold(self, state: GroupState) -> float:
+        """The difference clip before its cap: C_diff,t W_t ||x_t - x_{t-1}|| + C_x max_k |w_k - w'_k| (module
+        docstring), C_diff,t the one in effect (diff_levers.clip_diff_now); public."""
+        dx = float(np.linalg.norm(state.x - state.x_prev))
+        w_top = max(float(np.max(state.w)), float(np.max(state.w_prev))) if self.weight_after_clip else 1.0
+        dw = float(np.max(np.abs(state.w - state.w_prev)))
+        return levers.clip_diff_now(self.params, state.clip_diff) * w_top * dx + self.cfg.clip_x * dw
+
+    def x_queries(self, state: GroupState) -> list[Query]:
+        """The x block's release at x_t: 'x-refresh', or 'x-diff' (a SPIDER difference, or a STORM term with
+        x-estimator='storm') and with clip-diff-rule='private-quantile' its count release (diff_levers.py)."""
         c, p, t = self.cfg, self.params, state.t
         grad_clip = c.clip(c.clip_x) if self.weight_after_clip else math.inf
         if t % p.q == 0:
             extra = (grad_clip, self.k, *state.w)
-            return Query(t, "x-refresh", "group-weighted-grad", (Point(t, 0.0),), self.rate(c.refresh_batch),
-                         c.clip(self._weight_clip(state.w)), self.dim, extra=extra)
-        dx = float(np.linalg.norm(state.x - state.x_prev))
-        w_top = max(float(np.max(state.w)), float(np.max(state.w_prev))) if self.weight_after_clip else 1.0
-        dw = float(np.max(np.abs(state.w - state.w_prev)))
-        clip = c.clip(min(p.clip_diff * w_top * dx + c.clip_x * dw, p.clip_diff_max))
+            return [Query(t, "x-refresh", "group-weighted-grad", (Point(t, 0.0),), self.rate(c.refresh_batch),
+                          c.clip(self._weight_clip(state.w)), self.dim, extra=extra)]
+        threshold = self.diff_threshold(state)
+        a = levers.storm_a(p)
+        clip = c.clip(levers.storm_clip(a, self._weight_clip(state.w), min(threshold, p.clip_diff_max)))
         extra = (grad_clip, self.k, *state.w, *state.w_prev)
-        return Query(t, "x-diff", "group-weighted-grad", (Point(t, 0.0), Point(t - 1, 1.0)),
-                     self.rate(p.diff_batch), clip, self.dim, extra=extra)
+        diff = Query(t, "x-diff", "group-weighted-grad", (Point(t, 0.0), Point(t - 1, 1.0)),
+                     self.rate(p.diff_batch), clip, self.dim, coefs=levers.storm_coefs(a), extra=extra)
+        if not levers.quantile_rule(p):
+            return [diff]
+        return [diff, levers.quantile_query(diff, threshold, self.rate(p.diff_batch))]
 
     @property
     def simultaneous(self) -> bool:
@@ -191,8 +213,8 @@ class GroupDro(Algorithm):
 
     def queries(self, state: GroupState) -> list[Query]:
         if self.simultaneous:
-            return [self.loss_query(state), self.x_query(state)]
-        return [self.loss_query(state)] if state.stage == 0 else [self.x_query(state)]
+            return [self.loss_query(state), *self.x_queries(state)]
+        return [self.loss_query(state)] if state.stage == 0 else self.x_queries(state)
 
     def apply(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
         if self.simultaneous:  # the x step with the weights it was evaluated at, then the next weights
@@ -215,8 +237,16 @@ class GroupDro(Algorithm):
     def _x_step(self, state: GroupState, released: dict[str, np.ndarray]) -> GroupState:
         """x_{t+1} = x_t - lr-x b_t from the x release; t + 1, stage 0."""
         s = dataclasses.replace(state)
-        s.b = released["x-refresh"] if "x-refresh" in released else state.b + released["x-diff"]
-        s.x_prev, s.x = state.x, state.x - self.cfg.lr_x * s.b
+        c, p = self.cfg, self.params
+        if "x-refresh" in released:
+            s.b = released["x-refresh"]
+        else:
+            s.b = levers.estimate(state.b, released["x-diff"], levers.storm_a(p))
+        count = released.get("x-diff" + levers.QUANTILE_SUFFIX)
+        if count is not None:
+            s.clip_diff = levers.next_clip_diff(levers.clip_diff_now(p, state.clip_diff), float(count[0]),
+                                                p.clip_diff_quantile, p.clip_diff_quantile_lr)
+        s.x_prev, s.x = state.x, state.x - c.lr_x * s.b
         s.t, s.stage = state.t + 1, 0
         return s
 
@@ -224,14 +254,22 @@ class GroupDro(Algorithm):
         return state.x, state.dual
 
     def diagnostics(self, state: GroupState) -> dict[str, float]:
-        return {"dual": state.dual, "w_max": float(np.max(state.w)), "w_min": float(np.min(state.w)),
-                "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+        out = {"dual": state.dual, "w_max": float(np.max(state.w)), "w_min": float(np.min(state.w)),
+               "step_norm": float(np.linalg.norm(state.x - state.x_prev))}
+        if levers.quantile_rule(self.params):
+            out["clip_diff"] = levers.clip_diff_now(self.params, state.clip_diff)
+        return out
 
     def x_profiles(self) -> dict[str, NoiseProfile]:
         c, p = self.cfg, self.params
         w_nominal = p.weight_cap if self.weight_after_clip and math.isfinite(p.weight_cap) else 1.0
-        return {"x-refresh": NoiseProfile(self.dim, c.clip_x * w_nominal, p.q),
-                "x-diff": NoiseProfile(self.dim, p.clip_diff_max, p.q / 2)}
+        a = levers.storm_a(p)
+        w_ref, w_diff = levers.storm_weights(p.q, a)
+        out = {"x-refresh": NoiseProfile(self.dim, c.clip_x * w_nominal, w_ref),
+               "x-diff": NoiseProfile(self.dim, levers.storm_clip(a, c.clip_x * w_nominal, p.clip_diff_max), w_diff)}
+        if levers.quantile_rule(p):
+            out["x-diff" + levers.QUANTILE_SUFFIX] = NoiseProfile(1, 1.0, 1.0)
+        return out
 
     def loss_importance(self) -> float:
         """How much a unit of noise in a released group-loss sum reaches the update, relative to a unit in one

@@ -23,6 +23,7 @@ def _print_eval(row: dict, split: str) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     from ...common.data import load_from_config
+    from ...common.noise_modes import noise_mode
     from ..engine import Progress, train
     from ..rundir import check_out_dir
     from .transport import FlowerTransport
@@ -39,7 +40,7 @@ def main(grid: Grid, context: Context) -> None:
     check_out_dir(cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # before loading any data
     test = load_from_config(cfg, train=False)
     transport = FlowerTransport(grid, cfg.num_clients, cfg.round_timeout, context=context,
-                                secure=cfg.noise_mode == "distributed", num_shares=cfg.secagg_num_shares,
+                                secure=noise_mode(cfg.noise_mode).secure_aggregation, num_shares=cfg.secagg_num_shares,
                                 threshold=cfg.secagg_threshold, on_client_failure=cfg.on_client_failure,
                                 max_retries=cfg.max_retries, min_clients=cfg.min_clients)
     progress = Progress(on_eval=lambda row: _print_eval(row, cfg.eval_split))

@@ -19,9 +19,9 @@ Every FitRes has num_examples = 1 and max_weight = 1, so the workflow's weightin
 The quantisation is stochastic rounding to a grid of step 2 R / Q: each node's error per coordinate is below
 one step, so the sum of k nodes is within k steps (times S) of the exact sum; ``SecAggRange.bound`` reports it
 for every release, and the run refuses to start unless the step is at most a tenth of a share's noise std
-(``release.check_secagg_grid``). R = (largest shard) + 10 noise stds covers any clipped sum (its coordinates are at most
-S times the node's record count) plus its noise share except with probability < 1e-22 per coordinate, so the
-workflow's own clipping to [-R, R] essentially never acts.
+(``noise_modes.check_secagg_grid``). R = (largest shard) + 10 noise stds covers any clipped sum (its coordinates
+are at most S times the node's record count) plus its noise share except with probability < 1e-22 per coordinate,
+so the workflow's own clipping to [-R, R] essentially never acts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...common.messages import Query
-from ..release import secagg_grid
+from ...common.noise_modes import secagg_grid
 
 log = logging.getLogger(__name__)
 MODULUS = 2**32
@@ -50,7 +50,7 @@ class SecAggRange:
 
     @classmethod
     def for_round(cls, queries: list[Query], largest_shard: int, clients: int) -> SecAggRange:
-        """``release.secagg_grid``: R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2
+        """``noise_modes.secagg_grid``: R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2
         m)), so m Q <= 2^31 (``release.check_secagg_grid`` refused, before the run, a step not small against a
         share)."""
         shares = [q.noise_std / q.sensitivity for q in queries if q.sensitivity > 0 and math.isfinite(q.sensitivity)]

@@ -50,9 +50,9 @@ class ShardWorker:
     def __init__(self, cfg, shard: ArrayDataset, partition: int, module: nn.Module | None = None,
                  held_out: ArrayDataset | None = None) -> None:
         self.cfg = cfg
+        check_device(cfg.device)  # first: a bad device is a config error before any work
         self.num_classes = shard.num_classes
         self.partition = partition
-        check_device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)

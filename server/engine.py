@@ -303,7 +303,7 @@ def _finish(run: TrainingRun, callbacks: list[Callback], transport_name: str) ->
                               profiles=plan.profiles, ledger=releaser.ledger, releaser=releaser, final=rows[-1],
                               setup=run.setup, spider=spider, wall_seconds=run.wall(), transport_name=transport_name,
                               skipped_files=run.test.skipped_files, initial_model=plan.initial.facts())
-    rising = rising_note(rows, cfg.iterations)
+    rising = rising_note(rows, cfg.iterations, cfg.eval_split)
     run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
     if rising:
         log.info("%s", rising)

@@ -181,12 +181,6 @@ def scaled_features(path: Path, header: list[str], rows: list[list[str]], keep, 
     if unknown:
         raise DataError(f"config key 'csv-bounds' names {', '.join(unknown)}, which are not feature columns of "
                         f"{path} ({', '.join(names)})")
-    missing = [n for n in names if n not in named and default is None]
-    if missing:
-        raise DataError(f"config key 'csv-bounds': no range for feature column(s) {', '.join(missing)} of {path}; "
-                        "add 'name=lo:hi' for each, or a range 'lo:hi' for all")
-    lo = np.array([named.get(n, default)[0] for n in names])
-    hi = np.array([named.get(n, default)[1] for n in names])
     x = np.empty((len(keep), len(names)), dtype=np.float64)
     for j, i in enumerate(keep):
         row, line = rows[i], int(i) + 2
@@ -202,6 +196,13 @@ def scaled_features(path: Path, header: list[str], rows: list[list[str]], keep, 
             if not math.isfinite(v):
                 raise DataError(f"{path}, line {line}, column {n!r}: {row[c]!r} is not a finite number")
             x[j, k] = v
+    # after the cells: a text column's error (encode it, or leave it out) comes before asking for its range
+    missing = [n for n in names if n not in named and default is None]
+    if missing:
+        raise DataError(f"config key 'csv-bounds': no range for feature column(s) {', '.join(missing)} of {path}; "
+                        "add 'name=lo:hi' for each, or a range 'lo:hi' for all")
+    lo = np.array([named.get(n, default)[0] for n in names])
+    hi = np.array([named.get(n, default)[1] for n in names])
     return 2.0 * (np.clip(x, lo, hi) - lo) / (hi - lo) - 1.0
 
 

@@ -100,7 +100,9 @@ def test_csv_trains_privately_to_a_stated_accuracy(csv_root, tmp_path):
      r"train\.csv, line 3, column 'f2': 'x7' is not a number; feature columns must be numeric"),
     ([[1, 2, "no", "a"], [1, 2, "yes"]], {}, r"train\.csv, line 3: 3 cells; expected 4"),
     ([[1, 2, "no", "a"]], {"csv-features": "f1,f3"}, r"train\.csv: no column 'f3' \(config key 'csv-features'\)"),
-], ids=["missing-label-column", "non-numeric-cell", "short-row", "missing-feature-column"])
+    ([[1, 2, "no", "a"], [1, "red", "yes", "b"]], {"csv-bounds": "f1=0:3"},  # a text column: encode it, not bound it
+     r"train\.csv, line 3, column 'f2': 'red' is not a number; feature columns must be numeric"),
+], ids=["missing-label-column", "non-numeric-cell", "short-row", "missing-feature-column", "text-column-unbounded"])
 def test_malformed_csv_is_refused_naming_file_and_line(tmp_path, rows, keys, message):
     write_csv(tmp_path / "train.csv", rows, HEADER)
     write_csv(tmp_path / "test.csv", rows[:1], HEADER)

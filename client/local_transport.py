@@ -6,7 +6,7 @@ It satisfies ``common.transport.Transport``; the engine receives it from the lau
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -59,15 +59,26 @@ class LocalTransport:
     def largest_shard(self) -> int:
         return max((w.num_records for w in self.workers), default=0)
 
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+    @property
+    def partitions(self) -> list[int]:
+        """The partition ids of the clients (node sampling draws among them)."""
+        return [w.partition for w in self.workers]
+
+    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray],
+            sampled: Mapping[str, Set[int]] | None = None) -> RoundResult:
+        """Every client's replies to ``queries``; with ``sampled`` (mechanism -> partitions; node sampling) a client
+        answers only the queries it was sampled for, and one sampled for none does no work."""
         result = RoundResult({q.qid: [] for q in queries})
         for w in self.workers:
+            mine = list(queries) if sampled is None else [q for q in queries if w.partition in sampled[q.mechanism]]
+            if not mine:
+                continue
             try:
-                replies = self._answer_within_timeout(w, queries, versions)
+                replies = self._answer_within_timeout(w, mine, versions)
             except Exception as e:  # noqa: BLE001 - a client's error becomes a reported failure
                 result.failures[w.partition] = f"{type(e).__name__}: {e}"
                 continue
-            for q, r in zip(queries, replies, strict=False):
+            for q, r in zip(mine, replies, strict=False):
                 result.replies[q.qid].append(r)
         return result
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
 
@@ -23,7 +24,7 @@ from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
 from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
-from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clipped_sum_and_count, combine_outer
+from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clip_scales, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import gaussian_noise, site_rng
 
@@ -49,9 +50,9 @@ class ShardWorker:
     def __init__(self, cfg, shard: ArrayDataset, partition: int, module: nn.Module | None = None,
                  held_out: ArrayDataset | None = None) -> None:
         self.cfg = cfg
+        check_device(cfg.device)  # first: a bad device is a config error before any work
         self.num_classes = shard.num_classes
         self.partition = partition
-        check_device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         self.device = torch.device(cfg.device)
         self.x = shard.x.to(self.device, self.dtype)
@@ -150,17 +151,21 @@ class ShardWorker:
         fault = self._inject(query)
         if query.quantity == EVAL_QUANTITY:
             return self._answer_eval(query, versions)
-        idx = self.sample(query)
+        node_unit = getattr(self.cfg, "privacy_unit", "record") == "node"
+        # privacy-unit=node: every record of the shard (the node is the unit; server/node_sampling.py)
+        idx = np.arange(self.num_records) if node_unit else self.sample(query)
         fn, flats, problem, groups = self._inputs(query, versions)
         total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
                                        self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
                                        query.dim, problem, query.extra, self.cfg.chunk_size, groups)
+        if node_unit:  # the node's mean, clipped to the clip norm as one vector; it counts as one unit
+            total = node_contribution(total, len(idx), query.clip)
         out = total.cpu().numpy()
         if query.count_only:  # the number of sampled records under the clip (messages.Query.count_only)
             out = np.array([float(len(idx) - clipped)])
         elif query.count_scale > 0:
             out = np.append(out, query.count_scale * query.clip * clipped)
-        count = int(len(idx))
+        count = 1 if node_unit else int(len(idx))
         if query.noise_std > 0:
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise", query.iteration, query.mechanism,
                            self.partition, query.attempt)
@@ -191,6 +196,18 @@ class ShardWorker:
             out = out + gaussian_noise(query.noise_std, out.shape, rng, secure=self.cfg.secure_noise)
             count = UNDISCLOSED
         return Reply(query.qid, self.partition, out, count)
+
+
+def node_contribution(total: torch.Tensor, num_records: int, clip: float) -> torch.Tensor:
+    """A node's contribution under privacy-unit=node (server/node_sampling.py): ``total`` (D,) float64, the sum of
+    its records' clipped vectors, divided by its record count (a mean over its shard; 0 for an empty shard) and
+    clipped to L2 norm at most ``clip`` as one vector (``per_sample.clip_scales``: rounding included, never above
+    ``clip``). ``clip`` inf (non-private) leaves the mean unclipped."""
+    mean = total / max(num_records, 1)
+    if not math.isfinite(clip):
+        return mean
+    scale, _ = clip_scales(mean.unsqueeze(0), clip)
+    return mean * scale[0]
 
 
 def clipped_total(model: FlatModel, fn, flats, scalars, coefs, x: torch.Tensor, y: torch.Tensor,

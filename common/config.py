@@ -47,6 +47,10 @@ SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 
 # What every output of a run with noise_from_saved_seed says (log, summary.json, MODEL_CARD.md).
 SEEDED_NOT_PRIVATE = "not private: noise derived from the saved seed"
+# privacy-unit=node needs at least this many expected sampled nodes per release, node-sampling-rate x num-clients
+# (server/node_sampling.py): the released mean over p m nodes of vectors of norm <= C carries noise std z C / (p m)
+# per coordinate, above C / 10 at a noise multiplier of 1 with fewer nodes.
+MIN_EXPECTED_NODES = 10
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -294,6 +298,16 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("min-clients", "int", 1, "With on-client-failure=drop: fewest clients a release may use; fewer "
           "means retry, then fail. noise-mode=distributed calibrates each client's noise share for this many.",
           low=1, high=10_000, role="runtime"),
+    Field("node-sampling-rate", "float", 1.0, "Node sampling rate p: each release asks a Poisson sample of the "
+          "nodes, each independently with probability p (a fresh sample per release; 1: every node). With "
+          "privacy-unit=record a record is then included with probability p x its record rate; the ledger charges "
+          "each release as the revealed mixture of its record-level event (ALGORITHMS.md 5.8). noise-mode=distributed "
+          "needs 1.", low=0.0, low_open=True, high=1.0, role="privacy"),
+    Field("privacy-unit", "str", "record", "The unit of privacy: 'record' (one record replaced with the null "
+          "record) or 'node' (one node's whole data: each node's contribution, the mean of its clipped per-record "
+          "vectors over its whole shard, is clipped to the clip norm as one vector; Poisson node sampling at "
+          "node-sampling-rate over the nodes, delta 'auto' = 1/(10 num-clients); needs node-sampling-rate x "
+          "num-clients >= 10; ALGORITHMS.md 5.9).", choices=("record", "node"), role="privacy"),
     Field("sampling", "str", "poisson", "How records are drawn: 'poisson' (what the privacy analysis needs) "
           "or 'fixed-size' (shuffled fixed-size batches; refused unless epsilon=inf).",
           choices=("poisson", "fixed-size"), role="privacy"),
@@ -548,6 +562,27 @@ class Config:
         if self.min_clients > self.num_clients:
             raise ConfigError(f"config key 'min-clients': got {self.min_clients}; allowed: at most num-clients "
                               f"({self.num_clients})")
+        if self.node_sampling_rate < 1 and self.noise_mode == "distributed":
+            raise ConfigError(f"config key 'node-sampling-rate': got {self.node_sampling_rate:g} with "
+                              "noise-mode='distributed'; allowed there: 1 only (each node's noise share is calibrated "
+                              "for a fixed number of shares, and a node sample may hold fewer); use noise-mode=central "
+                              "or local")
+        if self.privacy_unit == "node" and self.private:
+            from .partition import is_node_local  # late: numpy
+
+            # common.eval_counts.evaluates_on_nodes (which imports torch)
+            if self.eval_data == "nodes" or (self.eval_data == "auto" and is_node_local(self.partition)):
+                raise ConfigError("config key 'privacy-unit': got 'node' with evaluation on the nodes (eval-data "
+                                  f"{self.eval_data!r}); allowed there: 'record' only (a node's evaluation counts are "
+                                  "bounded per record, not per node); use eval-data=server or privacy-unit=record")
+        expected = self.node_sampling_rate * self.num_clients
+        if self.privacy_unit == "node" and expected < MIN_EXPECTED_NODES:
+            raise ConfigError(
+                f"config key 'privacy-unit': got 'node' with node-sampling-rate {self.node_sampling_rate:g} and "
+                f"num-clients {self.num_clients}: {expected:.3g} expected sampled nodes per release; allowed: at least "
+                f"{MIN_EXPECTED_NODES} (the released mean over p m nodes of vectors of norm <= C carries noise std "
+                "z C / (p m) per coordinate: at z = 1 and fewer nodes, above C / 10); use more nodes (num-clients), a "
+                "higher node-sampling-rate, or privacy-unit=record")
 
     def _check_batches(self) -> None:
         if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)

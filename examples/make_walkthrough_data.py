@@ -23,21 +23,27 @@ from PIL import Image
 
 from dpdro.common.config import AUTO
 from dpdro.common.data import resolve_data_root
+from dpdro.common.errors import DpdroError
 
 DIGITS = {0: "zero", 1: "one", 7: "seven"}
 TRAIN_PER_CLASS, TEST_PER_CLASS, NEW_PER_CLASS = 120, 30, 4
 
 
 def read_mnist_test(root: Path) -> tuple[np.ndarray, np.ndarray]:
-    """MNIST's test images (10000, 28, 28) uint8 and labels (10000,) uint8 from root/MNIST/raw/*.gz.
+    """MNIST's test images (10000, 28, 28) uint8 and labels (10000,) uint8 from root/MNIST/raw/, gzipped (as
+    torchvision downloads them) or extracted (as dpdro's cache holds them).
     FileNotFoundError naming the folder when the files are missing."""
     raw = root / "MNIST" / "raw"
-    images, labels = raw / "t10k-images-idx3-ubyte.gz", raw / "t10k-labels-idx1-ubyte.gz"
-    if not images.exists() or not labels.exists():
-        raise FileNotFoundError(f"{raw}: expected t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz "
-                                "(set DPDRO_DATA_ROOT to the folder holding MNIST/raw/)")
-    x = np.frombuffer(gzip.open(images).read(), np.uint8, offset=16).reshape(-1, 28, 28)
-    y = np.frombuffer(gzip.open(labels).read(), np.uint8, offset=8)
+
+    def read(name: str) -> bytes:
+        if (raw / f"{name}.gz").exists():
+            return gzip.open(raw / f"{name}.gz").read()
+        if (raw / name).exists():
+            return (raw / name).read_bytes()
+        raise FileNotFoundError(f"{raw}: expected {name}[.gz] (set DPDRO_DATA_ROOT to the folder holding MNIST/raw/)")
+
+    x = np.frombuffer(read("t10k-images-idx3-ubyte"), np.uint8, offset=16).reshape(-1, 28, 28)
+    y = np.frombuffer(read("t10k-labels-idx1-ubyte"), np.uint8, offset=8)
     return x, y
 
 
@@ -80,9 +86,14 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     out = Path(argv[0])
-    x, y = read_mnist_test(resolve_data_root(AUTO))
+    write_table(out)  # needs no data: written even when MNIST is missing
+    try:
+        x, y = read_mnist_test(resolve_data_root(AUTO))
+    except (FileNotFoundError, DpdroError) as e:
+        print(f"make_walkthrough_data: wrote {out}/table and {out}/new-rows.csv, but not the images: {e}",
+              file=sys.stderr)
+        return 1
     write_images(out, x, y)
-    write_table(out)
     print(f"wrote {out}/images (train, test), {out}/new-images, {out}/table (train.csv, test.csv), "
           f"{out}/new-rows.csv")
     return 0

@@ -43,9 +43,10 @@ def still_rising(rows: list[dict], iterations: int) -> bool:
     return slope is not None and slope >= RISING_SLOPE and float(rows[-1][key]) > float(rows[-2][key])
 
 
-def rising_note(rows: list[dict], iterations: int) -> str | None:
+def rising_note(rows: list[dict], iterations: int, split: str = "validation") -> str | None:
     """The line a run ends with when its worst class is still rising (None otherwise): by how much, and to train
-    longer."""
+    longer. ``split``: the config's eval-split; on 'test' the line says to choose on a validation split instead
+    (a choice made on the test records makes the test figures optimistic)."""
     if not still_rising(rows, iterations):
         return None
     what = worst_key(rows).replace("_accuracy", "").replace("_", "-")
@@ -53,4 +54,6 @@ def rising_note(rows: list[dict], iterations: int) -> str | None:
     return (f"the {what} accuracy was still rising at the end: a straight line through the evaluations at "
             f"iterations {first}-{last} gains {worst_slope(rows, iterations):+.3f} per 10% of the run "
             f"({max(iterations // 10, 1)} of its {iterations} iterations); more iterations would likely raise it "
-            "(key iterations; the noise is calibrated for the new number, so start a new run)")
+            "(key iterations; the noise is calibrated for the new number, so start a new run)"
+            + ("; these are test-split figures: choose iterations with eval-split=validation, so that the test "
+               "figures stay unbiased" if split == "test" else ""))

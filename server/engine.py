@@ -37,6 +37,7 @@ from .evaluate import evaluate
 from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
+from .node_sampling import ledger_node_rate
 from .releaser import Releaser
 from .run_plan import (  # noqa: F401  (MIN_PRIVATE_RECORDS, check_groups, follow_n, plan_run, resolve_delta:
     MIN_PRIVATE_RECORDS,  # re-exported for their callers)
@@ -215,7 +216,8 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
     ([] for a new run): the ledger, the run directory (config.json with ``RUN_FACTS``), the releaser, and the
     setup releases with the algorithm's start state (or the checkpoint's state, rows and setup)."""
     cfg, algo = plan.cfg, plan.algo
-    ledger = Ledger(plan.releases, plan.noise, cfg.epsilon, plan.delta, cfg.accountant)
+    ledger = Ledger(plan.releases, plan.noise, cfg.epsilon, plan.delta, cfg.accountant,
+                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
     rd = RunDir(cfg.out_dir)
     rd.create()
     x0 = plan.model.initial().double().numpy()
@@ -301,7 +303,7 @@ def _finish(run: TrainingRun, callbacks: list[Callback], transport_name: str) ->
                               profiles=plan.profiles, ledger=releaser.ledger, releaser=releaser, final=rows[-1],
                               setup=run.setup, spider=spider, wall_seconds=run.wall(), transport_name=transport_name,
                               skipped_files=run.test.skipped_files, initial_model=plan.initial.facts())
-    rising = rising_note(rows, cfg.iterations)
+    rising = rising_note(rows, cfg.iterations, cfg.eval_split)
     run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
     if rising:
         log.info("%s", rising)

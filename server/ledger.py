@@ -37,6 +37,9 @@ against a direct integration of the hockey-stick divergence of that pair.
   ledger of what someone has already seen (the server's own view, server/releaser.py).
 - Runs of identical events are composed as SelfComposedDpEvent(event, count), so the cost of an epsilon
   evaluation grows with the number of distinct mechanisms, not with the number of iterations.
+- Node sampling (config key node-sampling-rate p < 1; server/node_sampling.py, ALGORITHMS.md 5.8): every release of
+  the run is the revealed mixture of its event with probability p (``node_rate`` of ``epsilon_of``, ``calibrate`` and
+  ``Ledger``): PLD (1 - p) delta_0 + p PLD, RDP log(1 - p + p e^{(a-1) D_a}) / (a - 1). p = 1 is the event itself.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from scipy import optimize
 
 from ..common.config import ConfigError
 from ..common.errors import DpdroError
+from .node_sampling import mixed_pld, mixed_rdp
 
 ACCOUNTANTS = ("pld", "rdp")
 DEFAULT_ACCOUNTANT = "pld"
@@ -133,10 +137,11 @@ def composed_event(counts: Mapping[tuple[float, float], int]) -> dp_accounting.D
 
 
 def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
-               accountant: str = DEFAULT_ACCOUNTANT) -> float:
+               accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> float:
     """Epsilon at ``delta`` of the composition of the releases in ``counts`` (0 for no release).
 
-    counts maps (sampling rate, noise multiplier) -> number of releases. Results are cached (the same
+    counts maps (sampling rate, noise multiplier) -> number of releases; ``node_rate`` p < 1 makes every release
+    the revealed mixture of its event (node sampling, module docstring). Results are cached (the same
     counts are evaluated again by calibration and the guard). Raises ValueError for an unknown accountant
     and AccountingCostError when accountant='pld' cannot fit the plan's PLD in ``PLD_MAX_POINTS``.
     """
@@ -147,24 +152,38 @@ def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
         return 0.0
     if any(z <= 0 for _, z, _ in items):
         return math.inf
+    if node_rate != 1:
+        return _epsilon_cached(items, float(delta), accountant, float(node_rate))
     return _epsilon_cached(items, float(delta), accountant)
 
 
 @functools.lru_cache(maxsize=512)
-def _epsilon_cached(items: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
+def _epsilon_cached(items: tuple[tuple[float, float, int], ...], delta: float, accountant: str,
+                    node_rate: float = 1.0) -> float:
+    if accountant == "rdp" and node_rate != 1:
+        orders = make_accountant("rdp")._orders  # noqa: SLF001 - the accountant's default orders
+        total = sum(c * mixed_rdp(_poisson_gaussian_rdp(r, z, orders), orders, node_rate) for r, z, c in items)
+        return float(rdp_privacy_accountant.compute_epsilon(orders, total, delta)[0])
     if accountant == "rdp":
         acc = make_accountant("rdp")
         acc.compose(composed_event({(r, z): c for r, z, c in items}))
         return float(acc.get_epsilon(delta))
-    return float(_pld(items).get_epsilon_for_delta(delta))
+    return float(_pld(items, node_rate).get_epsilon_for_delta(delta))
 
 
-def _pld(items: tuple[tuple[float, float, int], ...]) -> pld_lib.PrivacyLossDistribution:
-    """The composed PLD of (rate, z, count) releases at the finest discretisation that fits the cap."""
+def _poisson_gaussian_rdp(rate: float, z: float, orders) -> list[float]:
+    """RDP of PoissonSampledDpEvent(rate, GaussianDpEvent(z)) at each order, as dp-accounting's RdpAccountant
+    computes it for ``NEIGHBOURING_RELATION``."""
+    return rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(rate, z, orders)  # noqa: SLF001
+
+
+def _pld(items: tuple[tuple[float, float, int], ...], node_rate: float = 1.0) -> pld_lib.PrivacyLossDistribution:
+    """The composed PLD of (rate, z, count) releases at the finest discretisation that fits the cap (each release
+    the revealed mixture of its event at node rate ``node_rate`` when below 1)."""
     needed = {}
     for vdi in PLD_DISCRETISATIONS:
         try:
-            return _pld_at(items, vdi)
+            return _pld_at(items, vdi, node_rate)
         except _TooLarge as e:
             needed[vdi] = e.points
     what = ", ".join(f"{c} x (rate {r:.4g}, noise multiplier {z:.4g})" for r, z, c in items)
@@ -182,7 +201,8 @@ class _TooLarge(Exception):
         self.points = points
 
 
-def _pld_at(items: tuple[tuple[float, float, int], ...], vdi: float) -> pld_lib.PrivacyLossDistribution:
+def _pld_at(items: tuple[tuple[float, float, int], ...], vdi: float,
+            node_rate: float = 1.0) -> pld_lib.PrivacyLossDistribution:
     """Composed PLD at discretisation ``vdi``; raises _TooLarge before allocating more than the cap."""
     total = 0
     composed = None
@@ -195,6 +215,7 @@ def _pld_at(items: tuple[tuple[float, float, int], ...], vdi: float) -> pld_lib.
         base = pld_lib.from_gaussian_mechanism(
             standard_deviation=z, sampling_prob=rate, value_discretization_interval=vdi,
             log_mass_truncation_bound=_PLD_LOG_MASS_TRUNCATION, neighboring_relation=NEIGHBOURING_RELATION)
+        base = mixed_pld(base, node_rate)
         points = max(_self_composed_points(pmf, count) for pmf in _pmfs(base))
         total += points
         if points > PLD_MAX_POINTS or total > PLD_MAX_POINTS:
@@ -268,13 +289,13 @@ def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
 
 
 def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
-              accountant: str = DEFAULT_ACCOUNTANT) -> float:
+              accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> float:
     """The common noise scale s at which ``plan`` spends epsilon in [0.99 epsilon, epsilon] at ``delta``.
 
     The RDP solution is found first (cheap at any scale); for 'pld' it is the upper end of the bracket (PLD
     is the tighter bound: it needs 0.90-0.95x the RDP noise on our plans) and the lower end is searched
     downwards from 0.85x it, so the PLD is never evaluated at tiny noise multipliers. The returned scale is
-    checked with ``epsilon_of`` itself (what the ledger reports).
+    checked with ``epsilon_of`` itself (what the ledger reports). ``node_rate``: node sampling (``epsilon_of``).
 
     Raises ValueError for a non-positive or infinite target, an empty plan or one-off releases that alone
     spend the target; CalibrationError if no scale lands in [0.99 target, target] (it never returns an
@@ -287,7 +308,10 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
     if not any(n for m, n in plan.items() if m.fixed_noise is None):
         raise ValueError("calibration needs a plan with at least one release")
     fixed = {m: n for m, n in plan.items() if m.fixed_noise is not None}
-    if fixed and epsilon_of(plan_counts(fixed, 1.0), delta, accountant) >= epsilon:
+    def eps_of(counts: Counter, kind: str) -> float:  # node_rate passed only when node sampling is on
+        return epsilon_of(counts, delta, kind) if node_rate == 1 else epsilon_of(counts, delta, kind, node_rate)
+
+    if fixed and eps_of(plan_counts(fixed, 1.0), accountant) >= epsilon:
         raise ValueError(f"the one-off releases ({', '.join(m.name for m in fixed)}) alone spend epsilon >= "
                          f"{epsilon:g}: raise their noise multipliers or the target")
 
@@ -297,7 +321,7 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
                             else f"relative noise {m.relative_noise:.4g})") for m, n in plan.items())
 
     def eps_with(kind: str) -> Callable[[float], float]:
-        return lambda scale: epsilon_of(plan_counts(plan, scale), delta, kind)
+        return lambda scale: eps_of(plan_counts(plan, scale), kind)
 
     rdp_scale = _solve(eps_with("rdp"), epsilon, 1.0, describe)
     if accountant == "rdp":
@@ -366,15 +390,17 @@ class Ledger:
         epsilon, delta: the target; epsilon = inf means a non-private run (nothing is refused, the
             reported epsilon is inf).
         accountant: 'pld' (default) or 'rdp'.
+        node_rate: the node-sampling rate p of every release (1: none; ``epsilon_of``).
     """
 
     def __init__(self, plan: Mapping[Mechanism, int], noise: Mapping[str, float], epsilon: float,
-                 delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> None:
+                 delta: float, accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> None:
         self.plan = dict(plan)
         self.noise = dict(noise)
         self.epsilon = epsilon
         self.delta = delta
         self.accountant = accountant
+        self.node_rate = node_rate
         self.by_name = {m.name: m for m in plan}
         self.spent: Counter = Counter()  # mechanism name -> releases made
         self.extra: Counter = Counter()  # (rate, z) -> releases made beyond the plan
@@ -420,7 +446,7 @@ class Ledger:
             self.spent[mechanism] += record
             return
         z = self.noise.get(mechanism, 0.0)
-        eps = epsilon_of(self._counts((rate, z)), self.delta, self.accountant)
+        eps = epsilon_of(self._counts((rate, z)), self.delta, self.accountant, self.node_rate)
         if eps > self.epsilon:
             raise PrivacyBudgetExceeded(
                 f"release '{mechanism}' (rate {rate:.6g}, noise multiplier {z:.6g}) would spend epsilon "
@@ -451,7 +477,7 @@ class Ledger:
         """Epsilon at the run's delta of every release recorded so far (inf in a non-private run)."""
         if not self.private:
             return math.inf
-        return epsilon_of(self._counts(), self.delta, self.accountant)
+        return epsilon_of(self._counts(), self.delta, self.accountant, self.node_rate)
 
     def epsilon_if_completed(self) -> float:
         """Epsilon at the run's delta of every release recorded so far plus the rest of the plan (each mechanism's
@@ -462,7 +488,7 @@ class Ledger:
         counts = self._counts()
         for m, planned in self.plan.items():
             counts[(m.rate, self.noise[m.name])] += max(planned - self.spent[m.name], 0)
-        return epsilon_of(counts, self.delta, self.accountant)
+        return epsilon_of(counts, self.delta, self.accountant, self.node_rate)
 
     def record(self, rate: float, noise_multiplier: float) -> None:
         """Record one release at (rate, noise multiplier) without any guard: for a ledger that counts what someone

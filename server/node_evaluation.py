@@ -169,6 +169,7 @@ def evaluate_on_nodes(releaser, iteration: int, flat: np.ndarray, num_classes: i
     ledger refuses the release (nothing is released)."""
     q = eval_query(iteration, num_classes, shift)
     released = releaser.run([q], {q.points[0].version: np.asarray(flat, dtype=np.float64)})
-    noisy = released[EVAL_MECHANISM] * (q.rate * releaser.n)  # the releaser hands back sum / (rate n)
+    # the releaser hands back sum / expected count (rate n; p rate n with node sampling: releaser.expected)
+    noisy = released[EVAL_MECHANISM] * releaser.expected(q)
     std = releaser.ledger.noise_multiplier(EVAL_MECHANISM) * releaser.noise_sensitivity(q)
     return {**metrics_from_counts(noisy, std), "eval_loss": math.nan, "eval_noise_std": std}

@@ -184,11 +184,13 @@ def check_distributed(cfg: Config, noise: Mapping[str, float], largest_shard: in
 
 
 def noisy_mean(query: Query, total: np.ndarray, noise_std: float, n: int, rng: np.random.Generator, *,
-               secure: bool = False) -> np.ndarray:
+               secure: bool = False, expected: float | None = None) -> np.ndarray:
     """(total + N(0, noise_std^2 I)) / (rate n): the released mean. noise_std = 0 adds no noise (non-private
     runs, local mode, or distributed mode with every share present). ``secure`` (config key secure-noise): the
-    noise comes from ``common.rng.secure_gaussian`` (OS CSPRNG, sum of 4 draws) instead of ``rng``."""
+    noise comes from ``common.rng.secure_gaussian`` (OS CSPRNG, sum of 4 draws) instead of ``rng``. ``expected``:
+    another divisor, the expected number of units summed (node sampling: server/node_sampling.py
+    ``expected_count``); default rate n."""
     out = np.array(total, dtype=np.float64)
     if noise_std > 0:
         out += gaussian_noise(noise_std, out.shape, rng, secure=secure)
-    return out / (query.rate * n)
+    return out / (query.rate * n if expected is None else expected)

@@ -21,6 +21,7 @@ from ..common.rng import site_rng
 from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
+from .node_sampling import expected_count, sample_partitions
 from .release import aggregate, min_shares, noisy_mean, split_valid, sum_rounding_factor
 from .rundir import RunDir
 
@@ -43,12 +44,18 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
     A retry never depends on record values: an honest client's reply always passes ``check_reply`` (clipping
     never overshoots its bound and the check allows the rounding of the working dtype), so only transport
     failures, timeouts, a client's own error or a faulty client discard an attempt.
+
+    Node sampling (config key node-sampling-rate p < 1; server/node_sampling.py): each query asks its own Poisson
+    sample of the clients (the same one on every attempt), and 'drop' needs min(min-clients, clients asked) of the
+    clients asked to remain. With p = 1 every client is asked and nothing is drawn.
     """
+    sampled = node_samples(cfg, transport, queries)
+    asked = set().union(*sampled.values()) if sampled is not None else set()
     last: dict = {}  # the latest attempt: its queries and valid replies
 
     def attempt(k: int) -> dict[int, str]:
         tries = [dataclasses.replace(q, attempt=k) for q in queries]
-        result = transport.run(tries, versions)
+        result = transport.run(tries, versions) if sampled is None else transport.run(tries, versions, sampled=sampled)
         failures = dict(result.failures)
         for q in tries:
             _, rejected = split_valid(q, result.replies[q.qid], cfg.dtype)
@@ -64,14 +71,35 @@ def collect_round(cfg: Config, transport: Transport, queries: Sequence[Query],
             if on_discard is not None and last["valid"][q.qid]:
                 on_discard(q, last["valid"][q.qid])
 
+    if sampled is None:
+        needed = cfg.min_clients
+
+        def remaining(failures: dict) -> int:
+            return transport.num_clients - len(failures)
+    else:  # node sampling: min(min-clients, nodes asked) of the nodes asked must remain
+        needed = min(cfg.min_clients, len(asked))
+
+        def remaining(failures: dict) -> int:
+            return len(asked - set(failures))
+
     dropped = under_failure_policy(
-        attempt, policy=cfg.on_client_failure, max_retries=cfg.max_retries, min_clients=cfg.min_clients,
-        remaining=lambda failures: transport.num_clients - len(failures), on_discard=discarded,
+        attempt, policy=cfg.on_client_failure, max_retries=cfg.max_retries, min_clients=needed,
+        remaining=remaining, on_discard=discarded,
         where=f"iteration {queries[0].iteration} ({', '.join(q.mechanism for q in queries)})")
     if dropped:
-        log.warning("releasing without client(s) %s (%d remain)", sorted(dropped),
-                    transport.num_clients - len(dropped))
+        log.warning("releasing without client(s) %s (%d remain)", sorted(dropped), remaining(dropped))
     return last["valid"]
+
+
+def node_samples(cfg: Config, transport: Transport, queries: Sequence[Query]) -> dict[str, frozenset[int]] | None:
+    """Mechanism -> the partitions asked for it (``node_sampling.sample_partitions``, one independent sample per
+    query), or None when node-sampling-rate is 1 (every client; nothing drawn)."""
+    if cfg.node_sampling_rate == 1:
+        return None
+    present = list(getattr(transport, "partitions", range(transport.num_clients)))
+    return {q.mechanism: sample_partitions(cfg.reproducible, cfg.seed, q.iteration, q.mechanism, cfg.node_sampling_rate,
+                                           present, max(cfg.num_clients, max(present, default=-1) + 1))
+            for q in queries}
 
 
 class Releaser:
@@ -96,8 +124,12 @@ class Releaser:
         self.sum_factor = sum_rounding_factor(n)
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
-        self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant)
+        self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
+                                    ledger.node_rate)
         self.mode = noise_mode(cfg.noise_mode)  # where the noise is drawn (common/noise_modes.py)
+        self.node_unit = cfg.privacy_unit == "node"
+        if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.9)
+            self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
         fault = active_fault()
@@ -113,6 +145,9 @@ class Releaser:
         diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
         counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
         count_scale = cfg.clip_count_scale if counted else 0.0
+        if self.node_unit:  # no clipped-count coordinate; the release is charged at the node-sampling rate
+            count_scale = 0.0
+            q = dataclasses.replace(q, rate=cfg.node_sampling_rate)
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)
@@ -145,8 +180,8 @@ class Releaser:
             mode, trusted = self.mode.name, self.mode.trusts_server
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
             std = self.mode.server_noise_std(z, self.noise_sensitivity(q), self.shares, clients)
-            mean = noisy_mean(q, total, std, self.n, rng, secure=self.cfg.secure_noise)
-            expected = q.rate * self.n
+            expected = self.expected(q)
+            mean = noisy_mean(q, total, std, self.n, rng, secure=self.cfg.secure_noise, expected=expected)
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
                      "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
@@ -169,6 +204,14 @@ class Releaser:
             events.append(self.monitor.observe(event))
         self.rd.append_events(events)
         return released
+
+    def expected(self, q: Query) -> float:
+        """The expected number of units a release of ``q`` sums, the divisor of its mean: q.rate n records, p q.rate n
+        with node sampling, p m nodes with privacy-unit=node (``node_sampling.expected_count``)."""
+        if self.cfg.node_sampling_rate == 1 and not self.node_unit:
+            return q.rate * self.n
+        return expected_count(self.cfg.privacy_unit, self.cfg.node_sampling_rate, q.rate, self.n,
+                              self.transport.num_clients)
 
     def _seen_by_server(self, q: Query, replies: list[Reply], discarded: bool = False) -> float | None:
         """Count a set of replies the server has seen (released or discarded) against the server; returns the noise

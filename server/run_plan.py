@@ -27,6 +27,7 @@ from .algorithms import Algorithm, make_algorithm
 from .allocation import allocate
 from .ledger import ACCOUNTANTS, Mechanism, auto_delta, calibrate, check_delta, epsilon_of
 from .model_files import describe_module_class
+from .node_sampling import check_node_noise, ledger_node_rate, unit_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def follow_n(cfg: Config, n: int) -> tuple[Config, list[str]]:
 def resolve_delta(cfg: Config, n: int) -> float:
     """delta of the config, or 1/(10 n) for 'auto' (ledger.auto_delta; docs/explanation/ALGORITHMS.md 5.1). In a private
     run, raises ConfigError for delta >= 1/n and logs a warning above 1/(10 n) (ledger.check_delta)."""
+    if cfg.privacy_unit == "node":  # the unit is a node: delta against the m nodes (ALGORITHMS.md 5.9)
+        n = cfg.num_clients
     delta = auto_delta(n) if cfg.delta == AUTO else float(cfg.delta)
     if cfg.private:
         warning = check_delta(delta, n, cfg.delta)
@@ -83,9 +86,13 @@ def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, f
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
     plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles),
             **node_evaluation.mechanisms(cfg, delta)}  # eval-data=nodes: the evaluations, at fixed noise
+    plan = unit_plan(plan, cfg.privacy_unit, cfg.node_sampling_rate)  # node unit: every release at rate p over nodes
     if cfg.private:
-        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant)
+        scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant,
+                          ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
         noise = {m.name: m.noise_at(scale) for m in plan}
+        if cfg.privacy_unit == "node":
+            check_node_noise(noise, cfg.node_sampling_rate, cfg.num_clients)
     else:
         noise = {m.name: 0.0 for m in plan}
     return plan, noise, profiles

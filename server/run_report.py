@@ -255,8 +255,8 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
                      "saved in summary.json; the figures below hold only for the same mechanism with secret seeds.")
     if private or seeded:
         lines += [f"- (epsilon, delta) = ({_fmt_eps(summary['epsilon_spent'])}, {summary['delta']:.3g}) spent "
-                  f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, record-level (one record replaced "
-                  f"with a null record, n fixed), accountant {summary['accountant']}",
+                  f"of the target epsilon {_fmt_eps(summary['epsilon_target'])}, {_unit_text(summary)}, accountant "
+                  f"{summary['accountant']}",
                   f"- Noise mode: {summary['noise_mode']}. Trust model: {summary['trust_model']}"]
         trusted = noise_mode(summary["noise_mode"]).trusts_server
         if not trusted and summary.get("epsilon_against_server") is not None:
@@ -375,3 +375,12 @@ def _dro_keys(summary: dict) -> str:
 
     keys = ALGORITHM_SPECS[summary["algorithm"]].keys if summary["algorithm"] in ALGORITHM_SPECS else ()
     return "".join(f"{k} {summary[k]}, " for k in ("psi", "lambda") if k in keys and k in summary)
+
+
+def _unit_text(summary: dict) -> str:
+    """The privacy unit in words, with the node-sampling rate (summary.json of an older run has neither: record)."""
+    p = summary.get("node_sampling_rate", 1.0)
+    sampled = f"; nodes Poisson-sampled at rate {p:g} per release" if p < 1 else ""
+    if summary.get("privacy_unit", "record") == "node":
+        return f"node-level (one node's whole data replaced with a null node, the number of nodes fixed{sampled})"
+    return f"record-level (one record replaced with a null record, n fixed{sampled})"

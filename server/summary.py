@@ -40,6 +40,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
                              "fixed": {m.name: m.fixed_noise for m in plan if m.fixed_noise is not None},
                              **({"proxy_variance": proxy_variance(plan, noise, profiles, n)} if profiles else {})},
         "noise_mode": cfg.noise_mode, "trust_model": trust_statement(cfg, transport_name),
+        "privacy_unit": cfg.privacy_unit, "node_sampling_rate": cfg.node_sampling_rate,
         "epsilon_against_server": releaser.epsilon_against_server(),
         **({"max_quantisation_over_noise": releaser.quantisation_ratio} if releaser.quantisation_ratio else {}),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
@@ -100,8 +101,12 @@ def not_accounted(cfg: Config, setup) -> list[str]:
         out.append("validation metrics: computed on held-out training records and reported without noise (for "
                    "tuning only)")
     out += noise_mode(cfg.noise_mode).not_accounted() if cfg.private else []
-    # n and the shard sizes are not listed: the unit (one record replaced with the null record, which stays on its
-    # client) keeps them the same in neighbouring data sets (server/ledger.py)
+    if cfg.private and cfg.privacy_unit == "node":
+        out.append("n and the shard sizes: released exactly (config.json, summary.json) and used to fit the batch "
+                   "keys; with privacy-unit=node a neighbouring data set changes one node's records and their number, "
+                   "which the epsilon does not cover")
+    # with privacy-unit=record, n and the shard sizes are not listed: the unit (one record replaced with the null
+    # record, which stays on its client) keeps them the same in neighbouring data sets (server/ledger.py)
     if cfg.private and cfg.secure_noise:  # assumptions every private run makes (docs/explanation/privacy.md)
         out += ["floating-point Gaussian sampling: the accounting assumes exact Gaussians; with secure-noise=true the "
                 "noise is the sum of 4 draws built of OS CSPRNG bytes (Opacus' secure_mode; Holohan and Braghin 2021), "

@@ -225,7 +225,8 @@ ONE_ROUND = {"dro_level": "group", "block_order": "simultaneous"}
 @pytest.mark.parametrize(("algorithm", "keys"), [
     ("dp-double-spider", {}), ("dp-double-spider", ONE_ROUND), ("recursive-spider", {}), ("dp-sgd", {}),
     ("dp-sgd-dual", {}), ("dp-spiderboost", {}), ("dp-sgda", {}),
-    ("dp-sgd", {"eval_data": "nodes", "eval_epsilon": 0.5})])  # the nodes evaluate their held-out records
+    ("dp-sgd", {"eval_data": "nodes", "eval_epsilon": 0.5}),  # the nodes evaluate their held-out records
+    ("dp-double-spider", {"node_sampling_rate": 0.5})])  # the same seeded node sample on both transports
 def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_superlink, algorithm, keys):
     from dpdro.launch.simulate import run_simulation
 

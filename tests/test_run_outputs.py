@@ -188,6 +188,8 @@ def test_still_rising_follows_the_slope_of_the_last_evaluations():
     falling_last = rising[:3] + [{"iteration": 150, "worst_class_accuracy": 0.39}]
     assert not still_rising(falling_last, 200)
     assert worst_slope(rising[:2], 200) is None and rising_note(rising[:2], 200) is None
+    assert "eval-split=validation" in rising_note(rising, 200, "test")
+    assert "eval-split" not in rising_note(rising, 200, "validation")
 
 
 def test_a_finished_run_records_the_slope_and_the_note(runs):

@@ -78,7 +78,7 @@ def test_the_features_of_real_cifar_images_are_kymatios_scattering(tmp_path):
     feats = load_dataset("cifar10-st", True, cache_dir=cache, max_records=5, features="scatternet")
     assert feats.x.shape == (5, 243, 8, 8) and feats.x.dtype == torch.float32
     assert torch.equal(feats.y, images.y)
-    raw = CIFAR10(os.environ.get("DPDRO_DATA_ROOT", str(scattering.Path(__file__).parents[2] / "shared/datasets")),
+    raw = CIFAR10(os.environ.get("DPDRO_DATA_ROOT") or str(scattering.Path(__file__).parents[2] / "shared/datasets"),
                   train=True)
     first = int(np.flatnonzero(np.asarray(raw.targets) >= 5)[0])  # the '-ST' rule keeps every record of class >= 5
     pixels = torch.from_numpy(raw.data[first]).permute(2, 0, 1).float()[None] / 255.0

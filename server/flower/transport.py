@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 from flwr.app import Message, RecordDict
@@ -180,22 +180,36 @@ class FlowerTransport:
         last round was not secure)."""
         return self.ranges.bound(clients, query.sensitivity) if self.ranges is not None else None
 
-    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray]) -> RoundResult:
+    @property
+    def partitions(self) -> list[int]:
+        """The partition ids of the nodes taking part (node sampling draws among them)."""
+        return sorted(self.node_of)
+
+    def run(self, queries: Sequence[Query], versions: dict[int, np.ndarray],
+            sampled: Mapping[str, Set[int]] | None = None) -> RoundResult:
+        """Every node's replies to ``queries``; with ``sampled`` (mechanism -> partitions; node sampling, never with
+        secure aggregation) a node gets only the queries it was sampled for, and one sampled for none gets no
+        message."""
         if self.secure and any(q.noise_std > 0 for q in queries):
+            if sampled is not None:
+                raise ValueError("node sampling with secure aggregation: refused by config validation")
             return self._run_secure(list(queries), versions)
         self.ranges = None
-        needed = {v for q in queries for v in q.versions}
-        contents = {nid: pack_queries(list(queries), {v: versions[v] for v in sorted(needed - self.held[nid])})
-                    for nid in self.node_of.values()}
+        mine = {nid: [q for q in queries if sampled is None or pid in sampled[q.mechanism]]
+                for pid, nid in self.node_of.items()}
+        mine = {nid: qs for nid, qs in mine.items() if qs}
+        contents = {nid: pack_queries(qs, {v: versions[v] for v in sorted({v for q in qs for v in q.versions}
+                                                                              - self.held[nid])})
+                    for nid, qs in mine.items()}
         replies, errors = self._exchange(contents, RELEASE)
         lost = [nid for nid, reason in errors.items() if "missing model versions" in reason]
         if lost:  # those nodes lost their cached versions (restart): resend everything to them once
-            again, errors2 = self._exchange({nid: pack_queries(list(queries), {v: versions[v] for v in needed})
-                                             for nid in lost}, RELEASE)
+            again, errors2 = self._exchange({nid: pack_queries(mine[nid], {v: versions[v] for v in sorted(
+                {v for q in mine[nid] for v in q.versions})}) for nid in lost}, RELEASE)
             replies.update(again)
             errors = {**{k: v for k, v in errors.items() if k not in lost}, **errors2}
         for nid in replies:
-            self.held[nid] = (self.held[nid] | needed) & set(versions)
+            self.held[nid] = (self.held[nid] | {v for q in mine[nid] for v in q.versions}) & set(versions)
         for nid in errors:
             self.held[nid] = set()  # unknown state: send everything next time
         partition_of = {nid: pid for pid, nid in self.node_of.items()}

@@ -269,6 +269,17 @@ def resolve_data_root(value: str) -> Path:
     return resolve_cache_dir(AUTO)
 
 
+def auto_root_origin() -> str:
+    """Where data-root=auto pointed and why, for error messages: $DPDRO_DATA_ROOT, ../shared/datasets beside the
+    project, or (neither there) the cache."""
+    if os.environ.get("DPDRO_DATA_ROOT"):
+        return f"data-root=auto: $DPDRO_DATA_ROOT={os.environ['DPDRO_DATA_ROOT']}"
+    shared = project_root().parent / "shared" / "datasets"
+    if shared.is_dir():
+        return f"data-root=auto: {shared}"
+    return f"data-root=auto: $DPDRO_DATA_ROOT is unset and {shared} does not exist, so only the cache"
+
+
 def resolve_cache_dir(value: str) -> Path:
     """``cache-dir``: the value, or for 'auto' $DPDRO_CACHE_DIR, else ~/.cache/dpdro."""
     if value != AUTO:
@@ -341,10 +352,11 @@ def _prepare_root(class_name: str, data_root: Path, cache_dir: Path, download: b
             f"{class_name} not found in data-root {data_root}: looked for {raw}/<file> or <file>.gz with files "
             f"{names}. Point 'data-root' at a folder holding {class_name}/raw/ (the cache {cache_dir} is used "
             "without a source only with data-root=auto), or set download=true to fetch it (needs internet).")
+    places = f"{raw}/<file>[.gz]" + ("" if cached == raw else f" and {cached}/<file>")
     raise DataError(
-        f"{class_name} not found: looked for {raw}/<file>[.gz] and {cached}/<file> with files "
-        f"{names}. Point 'data-root' (or $DPDRO_DATA_ROOT) at a folder holding "
-        f"{class_name}/raw/, or set download=true to fetch it with torchvision (needs internet).")
+        f"{class_name} not found: looked for {places} with files {names} ({auto_root_origin()}). Point "
+        f"'data-root' (or $DPDRO_DATA_ROOT) at a folder holding {class_name}/raw/, or set download=true to fetch "
+        "it with torchvision (needs internet).")
 
 
 def _load_torchvision(class_name: str, train: bool, data_root: Path, cache_dir: Path, download: bool,

@@ -78,3 +78,18 @@ def test_flower_simulation_refuses_missing_data_before_flower_starts(tmp_path, m
                                "cache-dir": str(tmp_path / "cache"), "out-dir": str(tmp_path / "run")})
     with pytest.raises(DataError, match="MNIST not found"):
         run_simulation(cfg)
+
+
+def test_missing_data_under_auto_names_each_place_once_and_why_the_cache(tmp_path, monkeypatch):
+    """data-root=auto with $DPDRO_DATA_ROOT unset and no ../shared/datasets resolves to the cache: the error names
+    that folder once and says how auto was resolved (a newcomer saw the same folder twice and no reason)."""
+    from dpdro.common import data
+
+    monkeypatch.delenv("DPDRO_DATA_ROOT", raising=False)
+    monkeypatch.setenv("DPDRO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "project_root", lambda: tmp_path / "project")
+    with pytest.raises(DataError) as e:
+        load_dataset("mnist", False)
+    text = str(e.value)
+    assert text.count(str(tmp_path / "cache" / "MNIST" / "raw")) == 1
+    assert f"$DPDRO_DATA_ROOT is unset and {tmp_path / 'shared' / 'datasets'} does not exist, so only the cache" in text

@@ -117,8 +117,9 @@ def evaluation_line(row: dict, split: str = "test") -> str:
     if "test_accuracy_se" in row:  # eval-data=nodes: noisy counts, each figure with its standard error
         return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
             node_evaluation.metrics_text(row)
+    group = f"  worst-group accuracy {row['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in row else ""
     return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
-            f"worst-class accuracy {row['worst_class_accuracy']:.4f}")
+            f"worst-class accuracy {row['worst_class_accuracy']:.4f}{group}")
 
 
 def _note(progress: Progress, text: str) -> None:

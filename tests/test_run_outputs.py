@@ -292,3 +292,14 @@ sys.exit(_leave_process(130) if sys.argv[1] == "leave" else 130)
     assert "terminate called" not in left.stderr
     shut = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, timeout=120)
     assert shut.returncode != 130 and "terminate called without an active exception" in shut.stderr
+
+
+def test_the_progress_line_carries_the_worst_group_when_the_run_has_groups():
+    """A run with groups (csv-group, CelebA) shows its worst group in every progress line, not only in summary.json."""
+    from dpdro.server.engine import evaluation_line
+
+    row = {"iteration": 50, "epsilon_spent": 1.25, "test_accuracy": 0.9, "worst_class_accuracy": 0.8}
+    assert evaluation_line(row) == ("iteration     50  epsilon 1.2500  test accuracy 0.9000  "
+                                    "worst-class accuracy 0.8000")
+    assert evaluation_line({**row, "worst_group_accuracy": 0.625}, "validation").endswith(
+        "validation accuracy 0.9000  worst-class accuracy 0.8000  worst-group accuracy 0.6250")

@@ -101,7 +101,9 @@ def print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
     loop = f"training loop {s['wall_seconds']:.1f} s" + (" over all sessions" if resumed else "")
     split = s.get("eval_split", "test")
     print(f"done: {s['algorithm']} on {s['dataset']}: {split} accuracy {s['test_accuracy']:.4f}, worst-class "
-          f"accuracy {s['worst_class_accuracy']:.4f}, epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
+          f"accuracy {s['worst_class_accuracy']:.4f}"
+          + (f", worst-group accuracy {s['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in s else "")
+          + f", epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _started[0]:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")
     if s.get("worst_still_rising"):  # server/convergence.py: worth training longer

@@ -178,14 +178,43 @@ def test_the_paper_methods_are_judged_against_the_best_other_method_and_their_go
     assert len(lines) == 1  # epsilon 1 has no paper method
     assert "best paper method **dp-double-spider** (worst 0.790 +/- 0.014" in lines[0]
     assert "best other method **dp-sgda** (worst 0.815 +/- 0.007" in lines[0]
-    assert "worst -0.025 (worse), accuracy +0.055" in lines[0]
+    # Welch's 95 % interval of -0.025 with two seeds a side is wide (t with ~1.6 degrees of freedom): no decision
+    assert "worst -0.025 (no clear difference, 95% interval [" in lines[0]
+    assert "accuracy +0.055" in lines[0]
     (goal,) = paper_goal_lines(groups)
     assert "**dp-double-spider** reaches worst 0.790" in goal
     assert "goal **not reached** (worst -0.060 from the goal)" in goal
     assert "against dp-sgda (worst 0.815): -0.025" in goal
     groups[("mnist-st", "recursive-spider", 4.0)] = _figure_rows("mnist-st", "recursive-spider", 4.0, [(0.9, 0.86)])
     assert "**recursive-spider** reaches worst 0.860" in paper_goal_lines(groups)[0]
-    assert "goal **reached**" in paper_goal_lines(groups)[0]
+    assert "one seed, no interval: goal **not reached**" in paper_goal_lines(groups)[0]  # the mean alone is not enough
+    tight = [(0.9, w) for w in (0.86, 0.87, 0.86, 0.85, 0.86)]  # sd 0.00707: 0.86 +/- 2.776 sd / sqrt(5)
+    groups[("mnist-st", "recursive-spider", 4.0)] = _figure_rows("mnist-st", "recursive-spider", 4.0, tight)
+    assert "interval of its mean worst class [0.851, 0.869]: goal **reached**" in paper_goal_lines(groups)[0]
+    wide = [(0.9, w) for w in (0.95, 0.75, 0.95, 0.75, 0.90)]  # mean 0.86, lower end below 0.82
+    groups[("mnist-st", "recursive-spider", 4.0)] = _figure_rows("mnist-st", "recursive-spider", 4.0, wide)
+    assert "goal **not reached**" in paper_goal_lines(groups)[0]
+
+
+def test_difference_interval_is_welchs_and_decides_only_when_it_excludes_zero():
+    import math
+
+    from dpdro.simulations.tables import difference_interval, verdict
+
+    a, b = [0.80, 0.82, 0.84], [0.70, 0.71, 0.75]
+    ma, mb = sum(a) / 3, sum(b) / 3
+    va = sum((x - ma) ** 2 for x in a) / 2 / 3
+    vb = sum((x - mb) ** 2 for x in b) / 2 / 3
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)  # Welch-Satterthwaite
+    from scipy.stats import t
+
+    half = t.ppf(0.975, df) * math.sqrt(va + vb)
+    lo, hi = difference_interval(a, b)
+    assert lo == pytest.approx(ma - mb - half) and hi == pytest.approx(ma - mb + half)
+    assert verdict(a, b).startswith("better") and verdict(b, a).startswith("worse")
+    assert verdict([0.8, 0.7], [0.75, 0.76]).startswith("no clear difference")
+    assert verdict([0.8], [0.7, 0.6]) == "too few seeds for an interval"
+    assert difference_interval([0.5, 0.5], [0.4, 0.4]) == pytest.approx((0.1, 0.1))
 
 
 def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reported(tmp_path, profile, monkeypatch):

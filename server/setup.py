@@ -39,10 +39,10 @@ ETA_INIT = "eta-init"
 class SetupResult:
     """What the setup releases gave: ``priors`` (K,) pi (None if no adjustment is configured), where they came
     from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used), ``group_priors``
-    (G,) of the declared group attribute or of the nodes (None unless dro-groups=attribute or node), and ``counts`` (K,) and
-    ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels plus the Gaussian
-    noise; exact without privacy), None when no histogram was released. Reporting them is post-processing of
-    the release the ledger charged."""
+    (G,) of the declared group attribute or of the nodes (None unless dro-groups=attribute or node), and
+    ``counts`` (K,) and ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels
+    plus the Gaussian noise; exact without privacy), None when no histogram was released. Reporting them is
+    post-processing of the release the ledger charged."""
 
     priors: tuple[float, ...] | None = None
     prior_source: str = "none"

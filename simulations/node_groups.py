@@ -51,9 +51,9 @@ def configs(out: Path, method: str, nodes: int, alpha: float, iterations: int, e
 
 def node_figures(run_dir: str | Path) -> dict:
     """Accuracy, worst-class accuracy and the per-node figures of a finished run's final model on its test split."""
+    from ..server.engine import load_run_config
     from ..server.evaluate import node_metrics, node_of_records
     from ..server.prediction import predict
-    from ..server.engine import load_run_config
 
     cfg = load_run_config(str(run_dir))
     p = predict(run_dir, "test")

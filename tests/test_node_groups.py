@@ -191,3 +191,19 @@ def test_a_node_group_run_reports_its_worst_node(tmp_path):
 def test_bad_node_groups_are_refused_before_any_work(keys, message):
     with pytest.raises(ConfigError, match=f"config key 'dro-groups': got 'node'.*{message}"):
         Config.from_mapping({"dro-groups": "node", **keys})
+
+
+def test_the_benchmark_s_two_group_runs_differ_only_in_their_groups(tmp_path):
+    """simulations/node_groups.py: dp-sgd, then the method with the class groups and with the node groups, all on
+    the same Dirichlet partition, epsilon and seed; the two group runs' keys differ in dro-groups and out-dir only."""
+    from dpdro.simulations.node_groups import configs
+
+    (_, sgd), (_, by_class), (_, by_node) = configs(tmp_path, "recursive-spider", 12, 0.3, 40, 4.0, 5)
+    for keys in (sgd, by_class, by_node):
+        cfg = Config.from_mapping(keys)
+        assert (cfg.num_clients, cfg.partition, cfg.dirichlet_alpha, cfg.epsilon, cfg.seed, cfg.iterations) == (
+            12, "dirichlet", 0.3, 4.0, 5, 40)
+    assert sgd["algorithm"] == "dp-sgd" and "dro-groups" not in sgd
+    differ = {k for k in by_class.keys() | by_node.keys() if by_class.get(k) != by_node.get(k)}
+    assert differ == {"dro-groups", "out-dir"} and by_node["dro-groups"] == "node"
+    assert Config.from_mapping(by_node).node_groups and not Config.from_mapping(by_class).node_groups

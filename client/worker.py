@@ -111,9 +111,12 @@ class ShardWorker:
         return self._problems[offset]
 
     def _groups(self, problem: Problem) -> torch.Tensor:
-        """Each record's group (N,) int64: its class, or its declared group attribute (ValueError without one)."""
+        """Each record's group (N,) int64: its class, its node (dro-groups=node: this shard's partition id, in
+        [0, num-clients), for every record), or its declared group attribute (ValueError without one)."""
         if problem.group_by == "class":
             return self.y
+        if problem.group_by == "node":
+            return torch.full_like(self.y, self.partition)
         if self.groups is None:
             raise ValueError("dro-groups='attribute': this client's data set declares no group attribute")
         return self.groups

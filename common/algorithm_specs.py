@@ -219,11 +219,14 @@ _BOUNDED_LOSS_PARAMS = (
     param("loss-bound", "float", 4.0, "Public loss bound B: losses are clamped at B in the KL terms "
           "g~ = exp((min(l, B) - B) / lambda) and in dp-sgda's class losses (docs/explanation/ALGORITHMS.md 2.4).",
           low=0.0, low_open=True, high=1e4, role="algorithm"),
-    param("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes) or "
+    param("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes), "
           "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
-          "set without one is refused). With dro-level=group, 'attribute' releases a histogram of the groups before "
-          "training (prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases.",
-          choices=("class", "attribute"), role="algorithm"),
+          "set without one is refused) or 'node' (the m = num-clients nodes, each record's group its node's index: "
+          "the worst-off node, agnostic federated learning, Mohri et al. 2019; needs num-clients >= 2). With "
+          "dro-level=group, 'attribute' and 'node' release a histogram of the groups before training "
+          "(prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases "
+          "(docs/explanation/ALGORITHMS.md 3.3).",
+          choices=("class", "attribute", "node"), role="algorithm"),
 )
 # The paper methods' group level and DRO weights (dp-double-spider, recursive-spider)
 _GROUP_DRO_PARAMS = (

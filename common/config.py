@@ -531,8 +531,8 @@ class Config:
     def _check_combinations(self) -> None:
         """Raise one ConfigError naming every combination of keys that cannot work (each check's first)."""
         errors = []
-        for check in (self._check_privacy, self._check_batches, self._check_algorithm, self._check_data,
-                      self._check_features):
+        for check in (self._check_privacy, self._check_batches, self._check_algorithm, self._check_node_groups,
+                      self._check_data, self._check_features):
             try:
                 check()
             except ConfigError as e:
@@ -605,6 +605,25 @@ class Config:
         if spec.logit_adjusted and self.tau == 0:
             raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
                               "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
+
+    def _check_node_groups(self) -> None:
+        """dro-groups=node needs an algorithm that reads dro-groups at its group level and at least two nodes."""
+        if self.dro_groups != "node":
+            return
+        spec = ALGORITHM_SPECS[self.algorithm]
+        if "dro-groups" not in spec.keys:
+            readers = ", ".join(n for n, s in ALGORITHM_SPECS.items() if "dro-groups" in s.keys)
+            raise ConfigError(f"config key 'dro-groups': got 'node' with algorithm {self.algorithm!r}, which has no "
+                              f"group level; allowed with algorithms {readers} (at dro-level=group for the paper "
+                              "methods)")
+        if "dro-level" in spec.keys and not self.group_level:
+            raise ConfigError(f"config key 'dro-groups': got 'node' with dro-level={self.dro_level!r}; allowed only "
+                              "with dro-level='group' (the record level's uncertainty set is over records, not "
+                              "groups)")
+        if self.num_clients < 2:
+            raise ConfigError(f"config key 'dro-groups': got 'node' with num-clients {self.num_clients}; allowed: "
+                              "num-clients >= 2 (with one node the only group is the whole population, which is "
+                              "ERM)")
 
     def _check_data(self) -> None:
         from .data import DATASETS  # late: data.py imports this module
@@ -684,8 +703,22 @@ class Config:
 
     @property
     def uses_group_priors(self) -> bool:
-        """Whether the run needs the priors of the declared group attribute (dro-level=group, dro-groups=attribute)."""
-        return self.group_level and self.dro_groups == "attribute"
+        """Whether the run needs the priors of groups other than the classes: dro-level=group with
+        dro-groups=attribute (the declared group attribute) or dro-groups=node (the nodes)."""
+        return self.group_level and self.dro_groups in ("attribute", "node")
+
+    @property
+    def node_groups(self) -> bool:
+        """Whether the run's DRO groups are the nodes (dro-groups=node of an algorithm that reads it at its group
+        level): each record's group is its node's index in [0, num-clients)."""
+        spec = ALGORITHM_SPECS[self.algorithm]
+        reads = "dro-groups" in spec.keys and ("dro-level" not in spec.keys or self.group_level)
+        return reads and self.dro_groups == "node"
+
+    def dro_group_count(self, num_classes: int, num_groups: int) -> int:
+        """The number of DRO groups: num-clients (dro-groups=node), ``num_groups`` (the data set's declared group
+        attribute, dro-groups=attribute) or ``num_classes``."""
+        return {"node": self.num_clients, "attribute": num_groups}.get(self.dro_groups, num_classes)
 
     @property
     def group_level(self) -> bool:

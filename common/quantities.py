@@ -36,7 +36,7 @@ class Problem:
     weight_cap: float = math.inf  # public cap W_cap of every DRO weight (config weight-cap)
     soft_clamp: bool = False  # KL terms of B - softplus(B - l) instead of min(l, B) (loss-clamp=soft)
     offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
-    group_by: str = "class"  # the groups of group quantities: 'class' (y) or 'attribute' (config dro-groups)
+    group_by: str = "class"  # the groups of group quantities: 'class' (y), 'attribute' or 'node' (dro-groups)
 
     @classmethod
     def from_config(cls, cfg) -> Problem:
@@ -161,7 +161,8 @@ def ce_grad(model, flat, scalar, x, y, problem, extra=()) -> RowBlocks:
 
 def uses_groups(fn: QuantityFn) -> QuantityFn:
     """Mark a quantity that reads each record's group: the client passes ``groups`` (B,) int64, the record's
-    class with dro-groups=class or its declared group attribute with dro-groups=attribute (``Problem.group_by``);
+    class with dro-groups=class, its declared group attribute with dro-groups=attribute or its node's index with
+    dro-groups=node (``Problem.group_by``);
     a call without ``groups`` uses the classes y."""
     fn.uses_groups = True
     return fn

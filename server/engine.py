@@ -27,13 +27,14 @@ from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConf
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
 from ..common.noise_modes import noise_mode
+from ..common.partition import is_node_local
 from ..common.transport import Transport
 from . import node_evaluation
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
 from .convergence import rising_note, worst_slope
 from .diagnostics import NoiseMonitor
-from .evaluate import evaluate
+from .evaluate import evaluate, node_of_records
 from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
@@ -118,6 +119,9 @@ def evaluation_line(row: dict, split: str = "test") -> str:
         return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
             node_evaluation.metrics_text(row)
     group = f"  worst-group accuracy {row['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in row else ""
+    if "worst_node_accuracy" in row:  # dro-groups=node
+        group += (f"  worst-node accuracy {row['worst_node_accuracy']:.4f} (spread "
+                  f"{row['node_accuracy_spread']:.4f})")
     return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
             f"worst-class accuracy {row['worst_class_accuracy']:.4f}{group}")
 
@@ -250,7 +254,9 @@ def _eval_row(run: TrainingRun) -> dict:
         metrics = node_evaluation.evaluate_on_nodes(releaser, run.state.t, x, run.test.num_classes, shift)
         extras = {}
     else:
-        metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, shift)
+        node_of = _test_nodes(run)
+        metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, shift, node_of=node_of,
+                           num_nodes=run.cfg.num_clients)
         extras = algo.eval_extras(run.state, metrics.pop("losses"))
         if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
             metrics.pop("eval_dro_objective")
@@ -258,6 +264,16 @@ def _eval_row(run: TrainingRun) -> dict:
             **extras, **algo.diagnostics(run.state),
             **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
             "server_heap_mb": heap_mb()}
+
+
+def _test_nodes(run: TrainingRun) -> np.ndarray | None:
+    """Each evaluation record's node (server/evaluate.node_of_records) when the run's DRO groups are the nodes
+    (dro-groups=node) and the server evaluates a centrally partitioned split; else None (no per-node figures:
+    with partition=node-local the server holds no node's records). The server's own split: no release."""
+    cfg = run.cfg
+    if not cfg.node_groups or is_node_local(cfg.partition):
+        return None
+    return node_of_records(cfg.data, run.test.y.numpy())
 
 
 def _evaluated(run: TrainingRun, callbacks: list[Callback]) -> None:

@@ -29,8 +29,32 @@ def per_group_accuracy(correct: np.ndarray, groups: np.ndarray, num_groups: int)
     return [float(correct[groups == g].mean()) if np.any(groups == g) else float("nan") for g in range(num_groups)]
 
 
+def node_of_records(data, labels: np.ndarray) -> np.ndarray:
+    """Each record's node (N,) int64 in [0, num-clients) under the partition of a Config's ``data`` section
+    (common/partition.py: the same seeded split as the training records', applied to these labels). The server
+    partitions its own evaluation split this way to report per-node accuracy (dro-groups=node): node j's part is
+    what a node with node j's label mix would hold out, which is how the Flower nodes split their held-out records
+    (eval-data=nodes). ConfigError for partition='node-local' (nothing is partitioned centrally)."""
+    from ..common.partition import make_partition  # late: not every evaluation needs it
+
+    out = np.full(len(labels), -1, dtype=np.int64)
+    for node, idx in enumerate(make_partition(data, np.asarray(labels))):
+        out[idx] = node
+    return out
+
+
+def node_metrics(correct: np.ndarray, node_of: np.ndarray, num_nodes: int) -> dict:
+    """Per-node accuracy figures from ``correct`` (N,) bool and ``node_of`` (N,) ints in [0, num_nodes):
+    per_node_accuracy (list, NaN for a node with no record), worst_node_accuracy (the minimum) and
+    node_accuracy_spread (maximum minus minimum over the nodes with records)."""
+    per_node = per_group_accuracy(correct, node_of, num_nodes)
+    worst, best = float(np.nanmin(per_node)), float(np.nanmax(per_node))
+    return {"per_node_accuracy": per_node, "worst_node_accuracy": worst, "node_accuracy_spread": best - worst}
+
+
 def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
-             prediction_shift: np.ndarray | None = None, batch: int = 2048) -> dict:
+             prediction_shift: np.ndarray | None = None, batch: int = 2048,
+             node_of: np.ndarray | None = None, num_nodes: int = 0) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives, and
@@ -40,7 +64,10 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     holds the DRO objective's keys psi, cvar_alpha and lambda_ (a Config's ``training`` section).
 
     ``prediction_shift`` (K,), when given, is added to the logits before the argmax (post-hoc logit
-    adjustment, -tau log pi: Menon et al. 2021, eq. (8)); losses stay those of the unshifted logits."""
+    adjustment, -tau log pi: Menon et al. 2021, eq. (8)); losses stay those of the unshifted logits.
+
+    ``node_of`` (N,) int64, each test record's node in [0, num_nodes) (``node_of_records``), adds ``node_metrics``:
+    per_node_accuracy, worst_node_accuracy, node_accuracy_spread."""
     shift = None if prediction_shift is None else torch.as_tensor(prediction_shift).to(model.dtype)
     p = torch.as_tensor(flat).to(model.dtype)
     losses, preds = [], []
@@ -58,6 +85,8 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     if test.groups is not None:
         per_group = per_group_accuracy(pred == labels, test.groups.numpy(), test.num_groups)
         extra = {"per_group_accuracy": per_group, "worst_group_accuracy": float(np.nanmin(per_group))}
+    if node_of is not None:
+        extra |= node_metrics(pred == labels, node_of, num_nodes)
     return {**extra, "test_accuracy": float((pred == labels).mean()),
             "worst_class_accuracy": float(np.nanmin(per_class)),
             "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro,

@@ -5,8 +5,11 @@ run's ledger like every other release.
   contributes its one-hot label e_y (norm 1, the null record 0, so the sensitivity is 1); the sum gets
   N(0, z_h^2 I_K) with z_h = prior-noise-multiplier. The priors are post-processing of the noisy counts:
   pi_k = max(c_k, 1) / sum_j max(c_j, 1), a valid distribution with no zero (log pi is finite).
-- 'group-histogram' (dro-level=group with dro-groups=attribute): the same for the declared group attribute,
-  e_g per record, N(0, z_h^2 I_G); the group priors follow by the same post-processing.
+- 'group-histogram' (dro-level=group with dro-groups=attribute or node): the same for the declared group attribute
+  or for the nodes (g the record's node index, G = num-clients: the node sizes), e_g per record, N(0, z_h^2 I_G);
+  the group priors follow by the same post-processing. A record belongs to one node, so the sensitivity stays 1; at
+  privacy-unit=node a node's contribution is the mean of its records' e_g = its own e_g (norm 1, clipped to 1), and
+  the priors come out near 1/m (every node weighs alike, as every node-level release does).
 - 'eta-init' (eta-init-source='private-mean-loss', algorithms with a dual variable): every record
   contributes min(l(x_0; xi), B) in [0, B] at the public initial model x_0 (with the logit offset when the
   loss is logit-adjusted); the sum gets N(0, (z_e B)^2), z_e = eta-init-noise-multiplier, and
@@ -36,10 +39,10 @@ ETA_INIT = "eta-init"
 class SetupResult:
     """What the setup releases gave: ``priors`` (K,) pi (None if no adjustment is configured), where they came
     from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used), ``group_priors``
-    (G,) of the declared group attribute (None unless dro-groups=attribute), and ``counts`` (K,) and
-    ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels plus the Gaussian
-    noise; exact without privacy), None when no histogram was released. Reporting them is post-processing of
-    the release the ledger charged."""
+    (G,) of the declared group attribute or of the nodes (None unless dro-groups=attribute or node), and
+    ``counts`` (K,) and ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels
+    plus the Gaussian noise; exact without privacy), None when no histogram was released. Reporting them is
+    post-processing of the release the ledger charged."""
 
     priors: tuple[float, ...] | None = None
     prior_source: str = "none"
@@ -99,8 +102,9 @@ def stages(cfg, num_classes: int, num_groups: int = 0) -> list[list[Query]]:
         histograms.append(Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
                                 extra=(0.0,) * num_classes))
     if cfg.uses_group_priors:
-        histograms.append(Query(0, GROUP_HISTOGRAM, "group-onehot", (Point(0, 0.0),), 1.0, clip, num_groups,
-                                extra=(0.0,) * num_groups))
+        g = cfg.dro_group_count(num_classes, num_groups)  # the attribute's G, or num-clients (dro-groups=node)
+        histograms.append(Query(0, GROUP_HISTOGRAM, "group-onehot", (Point(0, 0.0),), 1.0, clip, g,
+                                extra=(0.0,) * g))
     if histograms:
         out.append(histograms)
     if cfg.private_eta_init:

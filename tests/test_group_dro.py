@@ -51,13 +51,15 @@ def cfg_of(tmp_path, **kw) -> Config:
     return Config.from_mapping(values)
 
 
-def reference(data, cfg, weights_and_dual, dual0, by_attribute=False, lagged=False):
+def reference(data, cfg, weights_and_dual, dual0, by_attribute=False, lagged=False, groups=None, k_groups=None):
     """x after cfg.iterations exact steps x <- x - lr (1/n) sum_i w_{g_i} grad l_i, w from the exact group mean
-    losses (clamped at B) and the exact group frequencies; groups = the classes, or the attribute. lagged: the
-    weights of step t come from the losses at x_{t-1} (block-order=simultaneous; 1 at the first step)."""
+    losses (clamped at B) and the exact group frequencies; groups = the classes, the attribute, or ``groups``
+    (N,) in [0, k_groups) when given (the nodes). lagged: the weights of step t come from the losses at x_{t-1}
+    (block-order=simultaneous; 1 at the first step)."""
     model = FlatModel(make_model("cnn", K, cfg.seed, torch.float64))
-    groups = data.groups if by_attribute else data.y
-    x, y, k_groups = model.initial().clone(), groups.numpy(), (G if by_attribute else K)
+    if groups is None:
+        groups, k_groups = (data.groups, G) if by_attribute else (data.y, K)
+    x, y = model.initial().clone(), groups.numpy()
     counts = np.bincount(y, minlength=k_groups).astype(float)
     pi = counts / counts.sum()
     dual, w_next = dual0, np.ones(k_groups)

@@ -52,8 +52,9 @@ class DpSgda(Algorithm):
 
     @property
     def k(self) -> int:
-        """The number of groups: the K classes, or the declared group attribute's G (dro-groups=attribute)."""
-        return self.num_groups if self.params.dro_groups == "attribute" else self.num_classes
+        """The number of groups: the K classes, the declared group attribute's G (dro-groups=attribute) or the
+        num-clients nodes (dro-groups=node)."""
+        return self.cfg.dro_group_count(self.num_classes, self.num_groups)
 
     def noise_profiles(self) -> dict[str, NoiseProfile]:
         return {"class-stats": NoiseProfile(2 * self.k, self.params.clip_stats, 1.0),

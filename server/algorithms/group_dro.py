@@ -106,8 +106,9 @@ class GroupDro(Algorithm):
     # ---- shared ----
     @property
     def k(self) -> int:
-        """The number of groups: the classes, or the declared group attribute's G (dro-groups=attribute)."""
-        return self.num_groups if self.params.dro_groups == "attribute" else self.num_classes
+        """The number of groups: the classes, the declared group attribute's G (dro-groups=attribute) or the
+        num-clients nodes (dro-groups=node)."""
+        return self.cfg.dro_group_count(self.num_classes, self.num_groups)
 
     @property
     def weight_after_clip(self) -> bool:

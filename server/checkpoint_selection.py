@@ -116,13 +116,13 @@ def from_checkpoint(params: np.ndarray | None, meta: dict, rows: list[dict], whe
 def returned(cfg, rows: list[dict], best: Selected | None, evaluations_epsilon: float) -> dict:
     """summary.json's ``checkpoint_returned``: which evaluated iterate the run returned (``iteration``), by which
     rule (``rule``: config key checkpoint-select) and whether its choice is privacy-accounted (``accounted``: 'last'
-    chooses nothing; private-best reads only charged noisy counts). For private-best also the number of
-    ``candidates`` (evaluations) it was chosen among, its noisy ``score`` (biased upwards: the maximum of noisy
-    scores), the noisy worst-class accuracy of its evaluation with its standard error, and
-    ``evaluations_epsilon``, what the candidates' evaluations alone spend at the run's delta (their part of the
-    run's epsilon)."""
+    chooses nothing; private-best reads only charged noisy counts) and ``evaluations_epsilon``, what the run's node
+    evaluations alone spend at its delta (their part of the run's epsilon; 0 when it made none). For private-best
+    also the number of ``candidates`` (evaluations) it was chosen among, its noisy ``score`` (biased upwards: the
+    maximum of noisy scores) and the noisy worst-class accuracy of its evaluation with its standard error."""
     if best is None:
-        return {"rule": cfg.checkpoint_select, "iteration": int(rows[-1]["iteration"]), "accounted": True}
+        return {"rule": cfg.checkpoint_select, "iteration": int(rows[-1]["iteration"]), "accounted": True,
+                "evaluations_epsilon": evaluations_epsilon}
     row = next(r for r in rows if int(r["iteration"]) == best.iteration)
     return {"rule": cfg.checkpoint_select, "iteration": best.iteration, "accounted": True,
             "candidates": len(rows), "score": best.score,

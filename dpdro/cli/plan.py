@@ -108,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
         e = p["epsilon_split"]
         what = ("checkpoint selection (checkpoint-select=private-best, the best of them by noisy validation counts)"
                 if e["checkpoint_select"] == "private-best" else "node evaluation")
-        print(f"of which {what}: {e['evaluations_count']} eval-counts releases, epsilon {e['evaluations']:.4f} on "
-              f"their own; training: epsilon {e['training']:.4f} on its own ({p['accountant']}; together the planned "
-              "epsilon above)")
+        print(textwrap.fill(f"of which {what}: {e['evaluations_count']} eval-counts releases, epsilon "
+                            f"{e['evaluations']:.4f} on their own; training: epsilon {e['training']:.4f} on its own "
+                            f"({p['accountant']}; together the planned epsilon above)", 118, subsequent_indent="  "))
     if "private_search" in p:
         s = p["private_search"]
         print(f"private search, {s['describe']}, each trial this plan plus a noisy score (noise multiplier "

@@ -89,6 +89,8 @@ def __getattr__(name: str) -> Any:
 PSIS = ("chi2", "kl", "cvar", "smoothed-cvar")
 # The items of key chosen-on-private-data: choices made on a validation split of the private training records.
 CHOSEN_ON_PRIVATE = ("hyper-parameters", "model", "posthoc-tau", "posthoc-tau-noisy")
+# config key checkpoint-select: the final iterate, or the best by noisy validation counts (checkpoint_selection.py)
+CHECKPOINT_SELECT = ("last", "private-best")
 
 CORE_FIELDS: tuple[Field, ...] = (
     # what to run
@@ -146,6 +148,12 @@ CORE_FIELDS: tuple[Field, ...] = (
           "returns per-class correct and total counts; the server releases their sum with Gaussian noise charged to "
           "the run's epsilon: eval-epsilon), or 'auto': 'nodes' with partition=node-local (deployment), else "
           "'server'. Docs: explanation/privacy.", choices=("auto", "server", "nodes"), role="data"),
+    Field("checkpoint-select", "str", "last", "Which evaluated iterate the run returns: 'last' (the final one) or "
+          "'private-best' (the one with the best noisy worst-class accuracy on the validation split of the private "
+          "records: every evaluation, at the start, every eval-every iterations and at the end, is a node evaluation "
+          "charged to the run's epsilon at eval-epsilon, and the choice is post-processing of its noisy counts; "
+          "needs eval-split='validation', and eval-data 'auto' or 'nodes'). Docs: explanation/privacy.",
+          choices=CHECKPOINT_SELECT, role="data"),
     Field("num-clients", "int", 4, "Number of clients (Flower nodes) the training records are split over.",
           low=1, high=10_000, role="data"),
     Field("partition", "str", "iid", "How records are split over clients: 'iid' or 'dirichlet' (by label) from one "
@@ -659,9 +667,27 @@ class Config:
             own = ", ".join(repr(n) for n, s in DATASETS.items() if s.own_validation)
             raise ConfigError("config key 'eval-split': got 'validation'; allowed only with validation-fraction > 0 "
                               f"(got {self.validation_fraction}) or a data set with its own validation split ({own})")
+        if self.checkpoint_select == "private-best":
+            self._check_private_best()
         if self.class_prior == "public" and self.uses_priors:
             self.public_prior()  # raises for a malformed list
         self.chosen_on_private  # noqa: B018  (raises for an unknown item)
+
+    def _check_private_best(self) -> None:
+        """checkpoint-select=private-best selects on charged noisy counts of a validation split of the private
+        records (server/checkpoint_selection.py): the evaluations must be node evaluations (eval-data 'auto' or
+        'nodes') of eval-split 'validation'."""
+        if self.eval_data == "server":
+            raise ConfigError("config key 'checkpoint-select': got 'private-best' with eval-data='server'; allowed "
+                              "with eval-data 'auto' or 'nodes' only (the selection reads the evaluations' noisy "
+                              "counts, charged to the run's epsilon; the server's evaluation is exact and not "
+                              "charged)")
+        if self.eval_split != "validation":
+            raise ConfigError(f"config key 'checkpoint-select': got 'private-best' with eval-split="
+                              f"{self.eval_split!r}; allowed with eval-split='validation' only (and validation-"
+                              "fraction > 0, or a data set with its own validation split): the checkpoint is "
+                              "chosen on held-out private records, never on the test split whose figures it "
+                              "would bias")
 
     def _check_features(self) -> None:
         """features=scatternet needs a model made for its features (scatter-linear, scatter-cnn, or your own by

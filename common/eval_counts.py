@@ -26,9 +26,11 @@ EVAL_SENSITIVITY = math.sqrt(2.0)  # L2 norm bound of one record's (2K,) count v
 def evaluates_on_nodes(cfg) -> bool:
     """Whether a run of ``cfg`` evaluates on the nodes: config key eval-data 'nodes', or 'auto' with
     partition=node-local (deployment: the sites' records are not the server's, so the server has no test records
-    of their population). 'auto' is 'server' for every other partition (simulations, single-node runs: today's
-    evaluation on the server's public test split)."""
-    return cfg.eval_data == "nodes" or (cfg.eval_data == "auto" and is_node_local(cfg.partition))
+    of their population) or with checkpoint-select=private-best (the selection reads charged noisy counts of the
+    clients' validation records, server/checkpoint_selection.py). 'auto' is 'server' otherwise (simulations,
+    single-node runs: today's evaluation on the server's public test split)."""
+    return cfg.eval_data == "nodes" or (cfg.eval_data == "auto" and (
+        is_node_local(cfg.partition) or cfg.checkpoint_select == "private-best"))
 
 
 def count_vector(pred: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:

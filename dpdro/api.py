@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # What ``FitResult.privacy`` holds: the summary.json entries a user needs to state the guarantee.
 PRIVACY_KEYS = ("private", "epsilon_target", "epsilon_spent", "delta", "accountant", "noise_mode", "trust_model",
-                "epsilon_against_server", "noise_multipliers", "not_accounted")
+                "epsilon_against_server", "noise_multipliers", "checkpoint_returned", "not_accounted")
 
 
 @dataclass

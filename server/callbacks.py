@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..common.config import Config, ConfigError
+from . import checkpoint_selection
 from .model_export import write_model_outputs
 
 if TYPE_CHECKING:
@@ -30,8 +31,9 @@ class TrainingRun:
     """The state of a run as the callbacks see it: its ``plan``, run directory ``rd``, evaluation data ``test``,
     ``releaser`` (with its ledgers and noise monitor), ``setup`` (the releases before training), the algorithm's
     ``state`` (``state.t`` the iteration), the metrics ``rows`` so far, ``resumed`` (continued from a checkpoint),
-    ``wall`` (seconds of training so far, earlier sessions included) and, once the run finished, ``params`` (the
-    released iterate, (d,) float64) and ``summary``."""
+    ``wall`` (seconds of training so far, earlier sessions included), ``selected`` (checkpoint-select=private-best:
+    the evaluated iterate chosen so far, ``checkpoint_selection.Selected``; None otherwise) and, once the run
+    finished, ``params`` (the released iterate, (d,) float64: the chosen one under private-best) and ``summary``."""
 
     plan: RunPlan
     rd: RunDir
@@ -43,6 +45,7 @@ class TrainingRun:
     resumed: bool
     wall: Callable[[], float]
     params: Any = None
+    selected: Any = None
     summary: dict = field(default_factory=dict)
 
     @property
@@ -121,10 +124,13 @@ class Checkpoints(Callback):
 
 
 def write_checkpoint(run: TrainingRun) -> None:
-    """Save what resuming needs: the state, the ledgers, the metrics so far, the setup and the noise monitor."""
+    """Save what resuming needs: the state, the ledgers, the metrics so far, the setup, the noise monitor and the
+    iterate chosen so far (checkpoint-select=private-best)."""
     arrays, scalars = run.state.to_arrays()
     releaser, plan = run.releaser, run.plan
-    run.rd.save_checkpoint(arrays, {"config": run.cfg.to_dict(), "state": scalars, "ledger": releaser.ledger.state(),
+    arrays = {**arrays, **checkpoint_selection.checkpoint_arrays(run.selected)}
+    run.rd.save_checkpoint(arrays, {**checkpoint_selection.checkpoint_meta(run.selected),
+                                    "config": run.cfg.to_dict(), "state": scalars, "ledger": releaser.ledger.state(),
                                     "metrics": run.rows, "wall_seconds": run.wall(), "noise": plan.noise,
                                     "setup": run.setup.to_json(), "server_view": releaser.server_ledger.state(),
                                     "noise_monitor": releaser.monitor.state(), "events_covered": run.rd.event_count(),

@@ -29,7 +29,7 @@ from ..common.errors import DpdroError, Stopped
 from ..common.noise_modes import noise_mode
 from ..common.partition import is_node_local
 from ..common.transport import Transport
-from . import node_evaluation
+from . import checkpoint_selection, node_evaluation
 from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
 from .convergence import rising_note, worst_slope
@@ -230,8 +230,9 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
     rows: list[dict] = []
     wall_before, lost = 0.0, []
     start = time.perf_counter()
+    selected = None
     if resume:
-        state, rows, wall_before, setup, lost = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
+        state, rows, wall_before, setup, lost, selected = _resume(rd, cfg, algo, ledger, algo.init_state(x0))
     else:
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         facts = (plan.delta, plan.n, transport_name, software_versions(), test.source or None)
@@ -240,15 +241,14 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
     run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
-                      wall=lambda: wall_before + time.perf_counter() - start)
+                      wall=lambda: wall_before + time.perf_counter() - start, selected=selected)
     return run, lost
 
 
-def _eval_row(run: TrainingRun) -> dict:
-    """The metrics row of the run's current output (metrics.csv): test metrics with the prediction shift, the
-    algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory."""
+def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
+    """The metrics row of the run's current output ``x`` (d,) (metrics.csv): test metrics with the prediction shift,
+    the algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory."""
     algo, releaser = run.plan.algo, run.releaser
-    x, _ = algo.output(run.state)
     shift = prediction_shift(run.cfg.training, run.setup)
     if node_evaluation.evaluates_on_nodes(run.cfg):  # a charged release of the nodes' noisy counts
         metrics = node_evaluation.evaluate_on_nodes(releaser, run.state.t, x, run.test.num_classes, shift)
@@ -277,8 +277,13 @@ def _test_nodes(run: TrainingRun) -> np.ndarray | None:
 
 
 def _evaluated(run: TrainingRun, callbacks: list[Callback]) -> None:
-    """Evaluate now: append the row and hand it to every callback."""
-    run.rows.append(_eval_row(run))
+    """Evaluate now: append the row, offer the evaluated iterate to checkpoint-select=private-best
+    (server/checkpoint_selection.py: post-processing of the row's noisy counts) and hand the row to every
+    callback."""
+    x, _ = run.plan.algo.output(run.state)
+    run.rows.append(_eval_row(run, x))
+    if run.cfg.checkpoint_select == "private-best":
+        run.selected = checkpoint_selection.offer(run.selected, run.rows[-1], x)
     for cb in callbacks:
         cb.on_eval(run, run.rows[-1])
 
@@ -316,12 +321,19 @@ def _finish(run: TrainingRun, callbacks: list[Callback], transport_name: str) ->
                     "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise "
                     "diff-batch", spider["phases_noise_dominated"], spider["phases"])
     run.params, _ = plan.algo.output(run.state)
+    final = rows[-1]
+    if run.selected is not None:  # checkpoint-select=private-best: the chosen iterate, its (noisy) figures
+        run.params = run.selected.params
+        chosen = next(r for r in rows if int(r["iteration"]) == run.selected.iteration)
+        final = {**chosen, "epsilon_spent": rows[-1]["epsilon_spent"]}
     run.summary = run_summary(cfg, n=plan.n, delta=plan.delta, plan=plan.releases, noise=plan.noise,
-                              profiles=plan.profiles, ledger=releaser.ledger, releaser=releaser, final=rows[-1],
+                              profiles=plan.profiles, ledger=releaser.ledger, releaser=releaser, final=final,
                               setup=run.setup, spider=spider, wall_seconds=run.wall(), transport_name=transport_name,
                               skipped_files=run.test.skipped_files, initial_model=plan.initial.facts())
     rising = rising_note(rows, cfg.iterations, cfg.eval_split)
-    run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising)
+    run.summary.update(worst_rising_slope=worst_slope(rows, cfg.iterations), worst_still_rising=rising,
+                       checkpoint_returned=checkpoint_selection.returned(
+                           cfg, rows, run.selected, node_evaluation.evaluations_epsilon(releaser.ledger, plan.delta)))
     if rising:
         log.info("%s", rising)
     write_json(run.rd.summary, run.summary)
@@ -353,7 +365,8 @@ def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) ->
 
 
 def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
-    """(state, metric rows, wall seconds so far, SetupResult) of the checkpoint in ``rd``."""
+    """(state, metric rows, wall seconds so far, SetupResult, events made after it, the iterate chosen so far
+    by checkpoint-select=private-best or None) of the checkpoint in ``rd``."""
     if not rd.checkpoint.exists():
         raise ResumeError(f"no checkpoint at {rd.checkpoint}: nothing to resume")
     arrays, meta = rd.load_checkpoint()
@@ -366,6 +379,12 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
         diff = sorted(k for k in _comparable(saved) if saved[k] != cfg.to_dict().get(k))
         raise ResumeError(f"checkpoint in {rd.path} was written by another configuration (differs in: "
                           f"{', '.join(diff)}); resume with the run's own config.json")
+    if node_evaluation.evaluates_on_nodes(cfg) and saved.get("eval-every") != cfg.eval_every:
+        raise ResumeError(f"config key 'eval-every': got {cfg.eval_every}; the run in {rd.path} was planned with "
+                          f"eval-every = {saved.get('eval-every')}, and with eval-data=nodes (or checkpoint-select="
+                          "private-best) every evaluation is a planned, charged release: resume with the run's own "
+                          "eval-every")
+    chosen = arrays.pop(checkpoint_selection.PARAMS_KEY, None)  # private-best's chosen iterate, not the state's
     try:
         state = type(fresh_state).from_arrays(arrays, meta["state"])
         ledger.load_state(meta["ledger"])
@@ -373,9 +392,15 @@ def _resume(rd: RunDir, cfg: Config, algo, ledger: Ledger, fresh_state):
     except (KeyError, TypeError, ValueError) as e:
         raise RunFileError(f"checkpoint {rd.checkpoint} is incomplete ({type(e).__name__}: {e}): it cannot be "
                            "resumed; start again with --overwrite (or in a new out-dir)") from None
+    selected = None
+    if cfg.checkpoint_select == "private-best":
+        try:
+            selected = checkpoint_selection.from_checkpoint(chosen, meta, rows, str(rd.checkpoint))
+        except checkpoint_selection.SelectionResumeError as e:
+            raise ResumeError(str(e)) from None
     lost = rd.journal_since(meta.get("events_covered"), state.t)
     setup = setup_releases.SetupResult.from_json(meta.get("setup", {}))
-    return state, rows, wall_before, setup, lost
+    return state, rows, wall_before, setup, lost, selected
 
 
 def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger, privacy: PrivacyConfig,

@@ -173,3 +173,14 @@ def evaluate_on_nodes(releaser, iteration: int, flat: np.ndarray, num_classes: i
     noisy = released[EVAL_MECHANISM] * releaser.expected(q)
     std = releaser.ledger.noise_multiplier(EVAL_MECHANISM) * releaser.noise_sensitivity(q)
     return {**metrics_from_counts(noisy, std), "eval_loss": math.nan, "eval_noise_std": std}
+
+
+def evaluations_epsilon(ledger, delta: float) -> float:
+    """Epsilon at ``delta`` that the node evaluations charged to ``ledger`` (a ``server.ledger.Ledger``) spend on
+    their own: their part of the run's epsilon (checkpoint-select=private-best reports it as its selection's
+    cost). 0 when none was made."""
+    count = ledger.spent.get(EVAL_MECHANISM, 0)
+    if not count:
+        return 0.0
+    return epsilon_of({(1.0, ledger.noise_multiplier(EVAL_MECHANISM)): count}, delta, ledger.accountant,
+                      ledger.node_rate)

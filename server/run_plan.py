@@ -159,13 +159,33 @@ def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:
     return {acc: epsilon_of(counts, plan.delta, acc) for acc in ACCOUNTANTS}
 
 
+def epsilon_split(plan: RunPlan) -> dict | None:
+    """The run's epsilon in its two parts when it evaluates on the nodes (eval-data=nodes, or checkpoint-select=
+    private-best): ``evaluations`` (the planned node evaluations alone: with private-best, the selection's cost),
+    ``training`` (every other release alone), both at the plan's delta under the run's accountant; they compose
+    to the planned epsilon (``planned_epsilon``), which is at most the sum. ``checkpoint_select`` and
+    ``evaluations_count`` (the candidates of private-best) come with them. None for a non-private run or one
+    evaluated on the server."""
+    if not plan.cfg.private or not node_evaluation.evaluates_on_nodes(plan.cfg):
+        return None
+    cfg, rate = plan.cfg, ledger_node_rate(plan.cfg.privacy_unit, plan.cfg.node_sampling_rate)
+    parts: dict[str, dict[tuple[float, float], int]] = {"evaluations": {}, "training": {}}
+    for m, k in plan.releases.items():
+        part = parts["evaluations" if m.name == node_evaluation.EVAL_MECHANISM else "training"]
+        part[(m.rate, plan.noise[m.name])] = part.get((m.rate, plan.noise[m.name]), 0) + k
+    return {"checkpoint_select": cfg.checkpoint_select,
+            "evaluations_count": sum(parts["evaluations"].values()),
+            **{name: epsilon_of(c, plan.delta, cfg.accountant, rate) for name, c in parts.items()}}
+
+
 def describe_plan(plan: RunPlan) -> dict:
     """The plan as one JSON-friendly dict (what ``dpdro plan`` prints): algorithm, dataset, n (training records),
     fitted (one line per batch key fitted to n), iterations, epsilon_target, delta, accountant, noise_mode;
     model (factory, module_class, dtype, parameters, trainable_parameters, trainable, init_weights); problem
     (num_classes, num_groups, dro: whether the algorithm optimises a DRO objective, keys: every config key the
     algorithm reads with its value); releases (name, count, sampling_rate, noise_multiplier, in plan order) and
-    planned_epsilon (``planned_epsilon``). Reads only what the plan decided: releases nothing."""
+    planned_epsilon (``planned_epsilon``); epsilon_split (``epsilon_split``: evaluations and training apart, when
+    the run evaluates on the nodes). Reads only what the plan decided: releases nothing."""
     cfg, algo = plan.cfg, plan.algo
     values = cfg.to_dict()
     return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
@@ -177,4 +197,4 @@ def describe_plan(plan: RunPlan) -> dict:
                         "keys": {k: values[k] for k in algo.spec.keys}},
             "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": plan.noise[m.name]}
                          for m, k in plan.releases.items()],
-            "planned_epsilon": planned_epsilon(plan)}
+            "planned_epsilon": planned_epsilon(plan), "epsilon_split": epsilon_split(plan)}

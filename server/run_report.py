@@ -215,6 +215,22 @@ PRIOR_SOURCES = {"private": "released from the training records with noise and c
                  "public": "declared public by the user (class-prior-values), not released from the data"}
 
 
+def _returned_lines(summary: dict) -> list[str]:
+    """The model card's line on which evaluated iterate the run returned (summary.json's checkpoint_returned,
+    server/checkpoint_selection.py); none for a summary written before it existed."""
+    r = summary.get("checkpoint_returned")
+    if not r:
+        return []
+    if r["rule"] != "private-best":
+        return [f"- Returned: the last iterate (iteration {r['iteration']}; checkpoint-select={r['rule']})"]
+    return [f"- Returned: the iterate of iteration {r['iteration']} of {summary['iterations']}, chosen among "
+            f"{r['candidates']} evaluations by the best noisy worst-class accuracy on the validation split "
+            f"(checkpoint-select=private-best; noisy worst-class accuracy {r['noisy_worst_class_accuracy']:.4f}, "
+            "biased upwards as the best of several noisy scores). Accounted: every evaluation is a charged "
+            f"release (together epsilon {_fmt_eps(r['evaluations_epsilon'])} on their own, composed into the "
+            "epsilon above) and the choice is post-processing of their noisy counts"]
+
+
 def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[list[int], str] | None = None) -> str:
     """MODEL_CARD.md text of a finished run from its summary.json dict and model.json dict; ``minority`` as
     ``minority_classes`` gives it. Every path in it is relative to the run folder (the card's own), so a copied
@@ -268,6 +284,7 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
         lines.append(f"- Released by a private hyper-parameter search ({search['theorem']}): epsilon_total = "
                      f"{_fmt_eps(search['epsilon_total'])} at delta {search['delta']:.3g} covers the whole search "
                      "(every trial's training and noisy score, and the choice of this model)")
+    lines += _returned_lines(summary)
     lines += ["- Not accounted:"] + [f"  - {item}" for item in summary["not_accounted"]]
     lines += ["", f"## Results on the {split} split", "",
               f"- Accuracy {summary['test_accuracy']:.4f}, worst-class accuracy {summary['worst_class_accuracy']:.4f}"

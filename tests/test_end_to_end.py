@@ -226,6 +226,8 @@ ONE_ROUND = {"dro_level": "group", "block_order": "simultaneous"}
     ("dp-double-spider", {}), ("dp-double-spider", ONE_ROUND), ("recursive-spider", {}), ("dp-sgd", {}),
     ("dp-sgd-dual", {}), ("dp-spiderboost", {}), ("dp-sgda", {}),
     ("dp-sgd", {"eval_data": "nodes", "eval_epsilon": 0.5}),  # the nodes evaluate their held-out records
+    ("dp-sgd", {"checkpoint_select": "private-best", "eval_split": "validation", "validation_fraction": 0.2,
+                "eval_epsilon": 0.5}),  # the checkpoint chosen by the nodes' noisy validation counts
     ("dp-double-spider", {"node_sampling_rate": 0.5}),  # the same seeded node sample on both transports
     # the nodes as the groups (dro-groups=node): each node answers with its partition id as every record's group
     ("recursive-spider", {"dro_level": "group", "dro_groups": "node", "partition": "dirichlet",
@@ -242,6 +244,7 @@ def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_sup
     assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
     assert summary["test_accuracy"] == local.summary["test_accuracy"]
     assert summary["releases"] == local.summary["releases"]
+    assert summary["checkpoint_returned"] == local.summary["checkpoint_returned"]
     if keys.get("dro_groups") == "node":  # the per-node figures of the node-partitioned test split
         assert summary["per_node_accuracy"] == local.summary["per_node_accuracy"]
         assert len(summary["per_node_accuracy"]) == cfg.num_clients

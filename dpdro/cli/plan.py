@@ -104,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['name']:<16}{r['count']:>7}{r['sampling_rate']:>15.4g}{r['noise_multiplier']:>18.4f}")
     if p["planned_epsilon"] is not None:
         print("planned epsilon: " + ", ".join(f"{acc} {eps:.4f}" for acc, eps in p["planned_epsilon"].items()))
+    if p.get("epsilon_split"):
+        e = p["epsilon_split"]
+        what = ("checkpoint selection (checkpoint-select=private-best, the best of them by noisy validation counts)"
+                if e["checkpoint_select"] == "private-best" else "node evaluation")
+        print(textwrap.fill(f"of which {what}: {e['evaluations_count']} eval-counts releases, epsilon "
+                            f"{e['evaluations']:.4f} on their own; training: epsilon {e['training']:.4f} on its own "
+                            f"({p['accountant']}; together the planned epsilon above)", 118, subsequent_indent="  "))
     if "private_search" in p:
         s = p["private_search"]
         print(f"private search, {s['describe']}, each trial this plan plus a noisy score (noise multiplier "

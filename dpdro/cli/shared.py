@@ -106,6 +106,11 @@ def print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
           + f", epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _started[0]:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")
+    returned = s.get("checkpoint_returned") or {}
+    if returned.get("rule") == "private-best":  # server/checkpoint_selection.py
+        print(f"returned: the iterate of iteration {returned['iteration']} of {s['iterations']}, the best of "
+              f"{returned['candidates']} by noisy {split} counts (checkpoint-select=private-best, accounted; the "
+              "figures above are that evaluation's, biased upwards: dpdro evaluate --data test for the test split)")
     if s.get("worst_still_rising"):  # server/convergence.py: worth training longer
         print(f"note: {s['worst_still_rising']}")
 

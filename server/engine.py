@@ -174,7 +174,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
                     "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
     if cfg.private:
-        for warning in noise_mode(cfg.noise_mode).check(cfg, plan.noise, transport.largest_shard):
+        for warning in noise_mode(cfg.noise_mode).check(cfg, plan.noise, transport.largest_shard, plan):
             log.warning("%s", warning)
     for text in plan.notes:
         _note(progress, text)
@@ -218,7 +218,7 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
     setup releases with the algorithm's start state (or the checkpoint's state, rows and setup)."""
     cfg, algo = plan.cfg, plan.algo
     ledger = Ledger(plan.releases, plan.noise, cfg.epsilon, plan.delta, cfg.accountant,
-                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
+                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate), plan.ddg)
     rd = RunDir(cfg.out_dir)
     rd.create()
     x0 = plan.model.initial().double().numpy()

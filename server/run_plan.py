@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..common import ddg
 from ..common.batches import fitted_to_n, over_n
 from ..common.config import AUTO, Config, ConfigError, field_by_key
+from ..common.ddg import DdgGeometry
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
+from ..common.noise_modes import noise_mode
 from ..common.per_sample import FlatModel
 from . import node_evaluation
 from . import setup as setup_releases
@@ -81,15 +84,29 @@ def check_groups(cfg: Config, num_groups: int) -> None:
                           "attribute (allowed: 'class', or a data set with groups such as celeba)")
 
 
+def ddg_geometry(cfg: Config, dim: int) -> DdgGeometry | None:
+    """noise-mode=distributed-discrete: the run's ``common.ddg.DdgGeometry`` for a model of ``dim`` trainable
+    parameters (every release is at most dim + 2 long: the eta coordinate and the clipped-count coordinate), its
+    shares calibrated for num-clients, the granularity from ``ddg.granularity``; None in any other mode or when not
+    private."""
+    if not (cfg.private and noise_mode(cfg.noise_mode).discrete):
+        return None
+    padded = ddg.padded_dim(dim + 2)
+    return DdgGeometry(ddg.granularity(padded), padded, cfg.num_clients)
+
+
 def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
-    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
+    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None). With
+    noise-mode=distributed-discrete the multipliers are calibrated with that mechanism's accounting
+    (``ddg_geometry``)."""
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
     plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles),
             **node_evaluation.mechanisms(cfg, delta)}  # eval-data=nodes: the evaluations, at fixed noise
     plan = unit_plan(plan, cfg.privacy_unit, cfg.node_sampling_rate)  # node unit: every release at rate p over nodes
     if cfg.private:
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant,
-                          ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
+                          ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate),
+                          ddg_geometry(cfg, getattr(algo, "dim", 0)))
         noise = {m.name: m.noise_at(scale) for m in plan}
         if cfg.privacy_unit == "node":
             check_node_noise(noise, cfg.node_sampling_rate, cfg.num_clients)
@@ -119,6 +136,7 @@ class RunPlan:
     noise: dict[str, float]
     profiles: dict | None
     notes: list[str]
+    ddg: DdgGeometry | None = None
 
 
 def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_shape: tuple[int, ...],
@@ -145,7 +163,8 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     check_groups(cfg, num_groups)
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
     releases, noise, profiles = plan_run(cfg, algo, n, delta)
-    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes)
+    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes,
+                   ddg_geometry(cfg, model.dim))
 
 
 def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:

@@ -175,7 +175,29 @@ def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:
     counts: dict[tuple[float, float], int] = {}
     for m, k in plan.releases.items():
         counts[(m.rate, plan.noise[m.name])] = counts.get((m.rate, plan.noise[m.name]), 0) + k
+    if plan.ddg is not None:  # the distributed discrete Gaussian has its own accounting (ledger.epsilon_of)
+        return {"ddg": epsilon_of(counts, plan.delta, plan.cfg.accountant, 1.0, plan.ddg)}
     return {acc: epsilon_of(counts, plan.delta, acc) for acc in ACCOUNTANTS}
+
+
+def describe_ddg(plan: RunPlan) -> dict | None:
+    """noise-mode=distributed-discrete: the planned mechanism (None otherwise): the clip in grid steps c', the
+    padded dimension and shares of the analysis, the wrap-around probability per release, the shortfall policy and,
+    per release of the plan, the bits per coordinate a release of the model's dimension needs at its sampling rate
+    (``ddg.release_bits``; config key ddg-bits when set: ConfigError if below). Releases of fewer coordinates (the
+    setup histograms) are sized when made; summary.json reports the bits every release used."""
+    g = plan.ddg
+    if g is None:
+        return None
+    from ..common.noise_modes import check_ddg_bits
+
+    bits = {m.name: check_ddg_bits(plan.cfg, ddg.release_bits(g.dim, plan.n, m.rate, g.c_over_gamma,
+                                                              g.sigma(plan.noise[m.name]), g.shares,
+                                                              plan.cfg.ddg_wrap_probability), m.name)
+            for m in plan.releases}
+    return {"clip_in_grid_steps": g.c_over_gamma, "padded_dimension": g.dim, "shares": g.shares,
+            "wrap_probability": plan.cfg.ddg_wrap_probability, "shortfall_policy": plan.cfg.ddg_shortfall,
+            "bits_per_coordinate": bits}
 
 
 def describe_plan(plan: RunPlan) -> dict:
@@ -184,7 +206,8 @@ def describe_plan(plan: RunPlan) -> dict:
     model (factory, module_class, dtype, parameters, trainable_parameters, trainable, init_weights); problem
     (num_classes, num_groups, dro: whether the algorithm optimises a DRO objective, keys: every config key the
     algorithm reads with its value); releases (name, count, sampling_rate, noise_multiplier, in plan order) and
-    planned_epsilon (``planned_epsilon``). Reads only what the plan decided: releases nothing."""
+    planned_epsilon (``planned_epsilon``); with noise-mode=distributed-discrete, ddg (``describe_ddg``). Reads only what
+    the plan decided: releases nothing."""
     cfg, algo = plan.cfg, plan.algo
     values = cfg.to_dict()
     return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
@@ -196,4 +219,5 @@ def describe_plan(plan: RunPlan) -> dict:
                         "keys": {k: values[k] for k in algo.spec.keys}},
             "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": plan.noise[m.name]}
                          for m, k in plan.releases.items()],
-            "planned_epsilon": planned_epsilon(plan)}
+            "planned_epsilon": planned_epsilon(plan),
+            **({"ddg": describe_ddg(plan)} if plan.ddg is not None else {})}

@@ -52,7 +52,7 @@ def privacy_plan(cfg) -> dict:
     plan = plan_training(cfg, transport.num_records, train_set.num_classes, train_set.num_groups,
                          tuple(train_set.x.shape[1:]))
     if plan.cfg.private:
-        for warning in noise_mode(plan.cfg.noise_mode).check(plan.cfg, plan.noise, transport.largest_shard):
+        for warning in noise_mode(plan.cfg.noise_mode).check(plan.cfg, plan.noise, transport.largest_shard, plan):
             logging.getLogger(__name__).warning("%s", warning)
     return describe_plan(plan)
 
@@ -104,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['name']:<16}{r['count']:>7}{r['sampling_rate']:>15.4g}{r['noise_multiplier']:>18.4f}")
     if p["planned_epsilon"] is not None:
         print("planned epsilon: " + ", ".join(f"{acc} {eps:.4f}" for acc, eps in p["planned_epsilon"].items()))
+    if p.get("ddg"):
+        d = p["ddg"]
+        print(textwrap.fill(
+            f"noise mode {p['noise_mode']}: distributed discrete Gaussian, clip = {d['clip_in_grid_steps']:.4g} grid "
+            f"steps, padded dimension {d['padded_dimension']}, shares of {d['shares']} clients; bits per coordinate "
+            "(model-sized release): " + ", ".join(f"{k} {b}" for k, b in d["bits_per_coordinate"].items())
+            + f"; modular wrap-around probability <= {d['wrap_probability']:g} per release; shortfall policy "
+            f"{d['shortfall_policy']}", 118, subsequent_indent="  "))
     if "private_search" in p:
         s = p["private_search"]
         print(f"private search, {s['describe']}, each trial this plan plus a noisy score (noise multiplier "

@@ -246,7 +246,8 @@ class Releaser:
                 event["server_topup_std"] = std
                 event["released_noise_std_of_mean"] = self.mode.released_noise_std(
                     z, self.noise_sensitivity(q), self.shares, clients) / expected
-                bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
+                secure = got and got[0].securely_aggregated and not q.ddg  # DDG shares are carried exactly
+                bound = self.transport.quantisation_bound(q, clients) if secure else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
                     self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * self.noise_sensitivity(q)))

@@ -271,3 +271,62 @@ def test_distributed_discrete_runs_on_real_data(small_config, tmp_path):
                                        tuple(train_set.x.shape[1:])))
     assert plan["ddg"]["bits_per_coordinate"]["grad"] == d["bits_per_coordinate"]["grad"]
     assert plan["planned_epsilon"]["ddg"] == pytest.approx(direct, rel=1e-6)
+
+
+def test_secagg_grid_carries_shares_exactly():
+    """The SecAgg+ grid of a DDG round (R = 2^(b-1), Q = 2^b, modulus 2^(b + ceil(log2 m) + 1)) quantises each
+    shifted share to itself, and the workflow's dequantised mean maps back to the modular sum exactly (Flower's own
+    quantize/dequantize and the workflow's offset and weight formula, reproduced here without the masks, which
+    cancel); a round needing more than Flower's 32-bit modulus allows is refused before any node is asked."""
+    from flwr.common.secure_aggregation.quantization import dequantize, quantize
+
+    from dpdro.common.codec import ddg_share_sum, to_units
+    from dpdro.server.flower.secagg import SecAggRange
+
+    bits, nodes = 20, 4
+    qs = [Query(0, "a", "class-onehot", (Point(0, 0.0),), RATE, 1.0, K, ddg=(100.0, 5.0, bits, 101.0, 1)),
+          Query(0, "b", "class-onehot", (Point(0, 0.0),), RATE, 1.0, K, ddg=(100.0, 5.0, 17, 101.0, 2))]
+    ranges = SecAggRange.for_round(qs, 1000, nodes)
+    assert (ranges.clipping_range, ranges.quantization_range, ranges.modulus) == (2.0**19, 2**20, 2**23)
+    rng = np.random.default_rng(5)
+    shares = [[rng.integers(0, 2**bits, 16).astype(np.float64), rng.integers(0, 2**17, 16).astype(np.float64)]
+              for _ in range(nodes)]
+    quantised = [quantize(to_units(qs, [Reply(q.qid, 0, s, -1) for q, s in zip(qs, node, strict=True)]),
+                          ranges.clipping_range, ranges.quantization_range) for node in shares]
+    for node, qz in zip(shares, quantised, strict=True):
+        for s, arr in zip(node, qz, strict=True):
+            np.testing.assert_array_equal(arr, s)  # step 1: exact
+    total = [np.mod(sum(n[j] for n in quantised), ranges.modulus) for j in range(2)]
+    means = [(v + -(nodes - 1) * ranges.clipping_range) / nodes
+             for v in dequantize(total, ranges.clipping_range, ranges.quantization_range)]
+    for j, (q, mean) in enumerate(zip(qs, means, strict=True)):
+        want = np.mod(sum(n[j] for n in shares), 2.0 ** q.ddg[2])
+        np.testing.assert_array_equal(ddg_share_sum(mean, nodes, bits, int(q.ddg[2])), want)
+    big = [Query(0, "a", "class-onehot", (Point(0, 0.0),), RATE, 1.0, K, ddg=(100.0, 5.0, 30, 101.0, 1))]
+    with pytest.raises(ConfigError, match="'ddg-bits': a release needs 30 bits .* at most 29 bits on Flower"):
+        SecAggRange.for_round(big, 1000, nodes)
+
+
+@pytest.mark.flower
+@pytest.mark.data
+def test_flower_secagg_equals_single_node(small_config, tmp_path, flower_superlink):
+    """A tiny seeded DP-SGD run in the new mode through Flower's SecAgg+ equals the same run in process: the
+    shares are seeded (reproducible) and SecAgg+ carries their modular sum exactly, so the final parameters agree to
+    float rounding and the ledgers are identical."""
+    from dpdro.client.local_transport import LocalTransport
+    from dpdro.common.data import load_from_config
+    from dpdro.launch.simulate import run_simulation
+    from dpdro.server.engine import train
+
+    keys = {"algorithm": "dp-sgd", "noise_mode": "distributed-discrete", "iterations": 2, "eval_every": 2}
+    lcfg = small_config(out_dir=str(tmp_path / "local"), **keys)
+    local = train(lcfg, LocalTransport(lcfg, load_from_config(lcfg, True)), load_from_config(lcfg, False))
+    cfg = small_config(out_dir=str(tmp_path / "flower"), **keys)
+    summary = run_simulation(cfg, stream=False, keep_superlink=True)
+    assert summary["transport"] == "flower" and summary["noise_mode"] == "distributed-discrete"
+    assert summary["epsilon_spent"] == pytest.approx(local.summary["epsilon_spent"], rel=1e-12)
+    assert summary["ddg"]["bits_per_coordinate"] == local.summary["ddg"]["bits_per_coordinate"]
+    flower = np.load(tmp_path / "flower" / "final_params.npy")
+    np.testing.assert_allclose(flower, local.params, rtol=0, atol=1e-9)
+    assert NOISE_MODES["distributed-discrete"].trust_statement("flower").startswith(
+        "distributed-discrete: the server saw only the modular sums")  # a seeded run's trust_model says it is seeded

@@ -66,6 +66,9 @@ def search_plan(plan: dict, distribution: str, eta: float, gamma: float, mu: flo
     if plan["planned_epsilon"] is None:
         raise ConfigError("--private-search: the configuration is not private (epsilon = inf); allowed: a finite "
                           "epsilon")
+    if plan.get("ddg"):  # its trials' releases are not subsampled Gaussians: the search's composition does not apply
+        raise ConfigError(f"--private-search: config key 'noise-mode' is {plan['noise_mode']!r}; allowed: central, "
+                          "distributed or local (the search composes subsampled Gaussian releases)")
     dist = TrialCount(distribution, eta=eta, gamma=gamma, mu=mu)
     counts = score_counts(score_noise)
     for r in plan["releases"]:

@@ -207,6 +207,9 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("refresh-batch", "int", 1024, "Expected Poisson batch size of refresh releases (sampling rate = "
           "refresh-batch / n).", low=1, high=10**9, role="algorithm"),
     Field("lr-x", "float", 1.0, "Step size gamma_x of the model.", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    Field("momentum", "float", 0.0, "Heavy-ball momentum mu of the model's step: x_{t+1} = x_t + m_{t+1}, m_{t+1} = "
+          "mu m_t + (the algorithm's own step). Post-processing of released values, no privacy cost "
+          "(docs/explanation/ALGORITHMS.md 5.10; 0: off).", low=0.0, high=0.999, role="algorithm"),
     Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("noise-allocation", "str", "variance", "How the noise multipliers of an algorithm's mechanisms relate: "

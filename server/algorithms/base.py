@@ -29,6 +29,7 @@ class State:
 
     t: int = 0
     stage: int = 0
+    velocity: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) heavy-ball m_t; (0,): none yet
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(arrays, JSON scalars) of every field."""
@@ -63,6 +64,20 @@ def warmup_factor(t: int, warmup_iterations: int) -> float:
     if t < 0 or warmup_iterations < 0:
         raise ValueError(f"warmup_factor: t and warmup-iterations must be >= 0, got {t} and {warmup_iterations}")
     return min(1.0, (t + 1) / warmup_iterations) if warmup_iterations else 1.0
+
+
+def with_momentum(state: State, new: State, mu: float) -> State:
+    """``new`` with heavy-ball momentum mu on its model step (docs/explanation/ALGORITHMS.md 5.10): when ``new``
+    completes an iteration (new.t = state.t + 1, the stage whose ``apply`` moved x from state.x to new.x), the step
+    d = new.x - state.x becomes m = mu m_prev + d and x = state.x + m, the displacement form of Polyak's heavy
+    ball x_{t+1} = x_t - lr g_t + mu (x_t - x_{t-1}). x_prev stays state.x, so the SPIDER differences and their clip
+    C_t = clip-diff * ||x_t - x_{t-1}|| follow the step actually taken. A function of released values and public
+    mu only: post-processing, no privacy cost. mu = 0 returns ``new`` unchanged (m stays unset)."""
+    if mu == 0.0 or new.t != state.t + 1:
+        return new
+    step = new.x - state.x
+    velocity = step if state.velocity.size == 0 else mu * state.velocity + step
+    return dataclasses.replace(new, x=state.x + velocity, velocity=velocity)
 
 
 class Algorithm(ABC):
@@ -159,9 +174,11 @@ class Algorithm(ABC):
         this, never ``apply``). Only step sizes change, so queries, clips and the plan are those without warm-up."""
         factor = warmup_factor(state.t, self.cfg.warmup_iterations)
         if factor == 1.0:
-            return self.apply(state, released)
-        with self._scaled_step_sizes(factor):
-            return self.apply(state, released)
+            new = self.apply(state, released)
+        else:
+            with self._scaled_step_sizes(factor):
+                new = self.apply(state, released)
+        return with_momentum(state, new, self.cfg.momentum)
 
     @contextmanager
     def _scaled_step_sizes(self, factor: float):

@@ -328,6 +328,10 @@ def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) ->
     # checkpoints before the server view was a Ledger hold only its (rate, z) counts
     releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
     releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
+    done = rd.read_events(warn=False) if releaser.ledger.ddg is not None and rd.events.exists() else []
+    for e in done:  # the bits per coordinate of the DDG releases so far (summary.json)
+        if "ddg_bits" in e:
+            releaser.ddg_bits[e["mechanism"]] = max(releaser.ddg_bits.get(e["mechanism"], 0), int(e["ddg_bits"]))
     charged = charge_lost_releases(lost, releaser.ledger, releaser.server_ledger, cfg.privacy, run.state.t)
     if charged:
         log.warning("%s", charged)
@@ -372,8 +376,8 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
     the releases so far plus the rest of the plan would spend more than the target epsilon.
     """
     released = [e for e in lost if not e.get("discarded")]
-    for e in released:
-        ledger.record(float(e["rate"]), float(e["noise_multiplier"]))
+    for e in released:  # a DDG release missing shares (ddg-shortfall=charge) was charged at its smaller multiplier
+        ledger.record(float(e["rate"]), float(e.get("charged_noise_multiplier", e["noise_multiplier"])))
     for e in lost:  # what the server saw: 0 (no noise) in central mode
         server_ledger.record(float(e["rate"]), float(e.get("server_view_multiplier", 0.0)))
     if not released:

@@ -330,3 +330,17 @@ def test_flower_secagg_equals_single_node(small_config, tmp_path, flower_superli
     np.testing.assert_allclose(flower, local.params, rtol=0, atol=1e-9)
     assert NOISE_MODES["distributed-discrete"].trust_statement("flower").startswith(
         "distributed-discrete: the server saw only the modular sums")  # a seeded run's trust_model says it is seeded
+
+
+def test_a_resumed_run_charges_a_lost_shortfall_release_at_its_smaller_noise(small_config, tmp_path):
+    """A release made after the checkpoint with ddg-shortfall=charge (2 of 3 shares) is charged on resume at the
+    multiplier it was charged at, z sqrt(2/3), not the planned z (``engine.charge_lost_releases``)."""
+    from dpdro.server.engine import charge_lost_releases
+
+    z, g = 2.0, _geometry()
+    book, seen = (Ledger({Mechanism("grad", 0.1): 10}, {"grad": z}, 50.0, DELTA, ddg=g) for _ in range(2))
+    lost = [{"iteration": 4, "mechanism": "grad", "rate": 0.1, "noise_multiplier": z,
+             "charged_noise_multiplier": z * math.sqrt(2 / 3), "server_view_multiplier": z * math.sqrt(2 / 3)}]
+    charge_lost_releases(lost, book, seen, small_config(noise_mode="distributed-discrete").privacy, 3)
+    want = g.epsilon([(0.1, z * math.sqrt(2 / 3), 1)], DELTA)
+    assert book.epsilon_spent() == pytest.approx(want, rel=1e-12) == seen.epsilon_spent()

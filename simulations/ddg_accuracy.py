@@ -48,7 +48,7 @@ def table(rows: list[tuple[str, int, dict, list[dict]]]) -> list[str]:
         z = s["noise_multipliers"].get("grad", float("nan"))
         out.append(f"| {mode} | {seed} | {s['test_accuracy']:.4f} | {s['worst_class_accuracy']:.4f} | "
                    f"{float(s['epsilon_spent']):.3f} | {against} | {z:.3f} | "
-                   f"{'-' if not bits else '-'.join(str(b) for b in (bits[0], bits[-1]) if True)} | "
+                   f"{'-' if not bits else '-'.join(str(b) for b in sorted({bits[0], bits[-1]}))} | "
                    f"{s['wall_seconds']:.0f} |")
     return out
 
@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
             s, events = run_one(keys, (a.root / f"{mode}-T{a.iterations}-seed{seed}").resolve())
             rows.append((mode, seed, s, events))
     print("\n".join(table(rows)))
+    for mode in MODES:  # the mean over the seeds
+        acc = [s["test_accuracy"] for m, _, s, _ in rows if m == mode]
+        worst = [s["worst_class_accuracy"] for m, _, s, _ in rows if m == mode]
+        print(f"{mode}: mean test accuracy {sum(acc) / len(acc):.4f}, mean worst-class accuracy "
+              f"{sum(worst) / len(worst):.4f} over {len(acc)} seed(s)")
 
 
 if __name__ == "__main__":

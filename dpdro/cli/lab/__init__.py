@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import audit, bench, equivalence, estimator, hazards, noise_modes, report, sweep, tune
+from . import audit, bench, equivalence, estimator, hazards, levers, noise_modes, report, sweep, tune
 
-TOOLS = (sweep, report, tune, audit, hazards, noise_modes, equivalence, bench, estimator)
+TOOLS = (sweep, report, tune, audit, hazards, levers, noise_modes, equivalence, bench, estimator)
+OLD_TOP_LEVEL = tuple(t for t in TOOLS if t is not levers)  # tools that had a top-level name before the lab group
 
 
 def add_group(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     """``dpdro lab <tool>`` for every tool, and each tool's old top-level name as a hidden alias (not listed in
     the help: no ``help=``; its ``deprecated`` default makes main() print the deprecation line)."""
-    lab = sub.add_parser("lab", help="experiment tools: sweep, report, tune, audit, hazards, noise-modes, "
+    lab = sub.add_parser("lab", help="experiment tools: sweep, report, tune, audit, hazards, levers, noise-modes, "
                                      "equivalence, bench, estimator (research; output under runs/ unless --write-docs)",
                          description=__doc__.split("\n\n")[0].replace("``", ""), parents=parents)
     tools = lab.add_subparsers(dest="tool", required=True, metavar="TOOL")
@@ -27,7 +28,7 @@ def add_group(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPa
         s = tools.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, parents=parents)
         mod.add_arguments(s)
         s.set_defaults(command_run=mod.run)
-    for mod in TOOLS:
+    for mod in OLD_TOP_LEVEL:
         s = sub.add_parser(mod.NAME, description=f"deprecated name of dpdro lab {mod.NAME}: {mod.HELP}",
                            parents=parents)
         mod.add_arguments(s)

@@ -1,0 +1,49 @@
+"""``dpdro lab levers`` (simulations/levers.py): variants parse, every run trains on the training split minus the
+validation split and is evaluated on the validation split, runs resume, and the table reports their figures."""
+
+import json
+
+import pytest
+
+from dpdro.common.config import ConfigError
+from dpdro.simulations import levers
+
+
+def test_parse_variant_reads_toml_scalars_and_names_bad_text():
+    v = levers.parse_variant("momentum 0.9: momentum=0.9 lr-x=0.25 dro-reference=prior")
+    assert v.label == "momentum 0.9"
+    assert v.changes == {"momentum": 0.9, "lr-x": 0.25, "dro-reference": "prior"}
+    with pytest.raises(ConfigError, match="LABEL"):
+        levers.parse_variant("momentum=0.9")
+    with pytest.raises(ConfigError, match="'lr-x'"):
+        levers.parse_variant("x: lr-x")
+
+
+def test_variant_configs_hold_out_the_validation_split_and_refuse_a_bad_key_before_any_run(tmp_path):
+    base = {"algorithm": "dp-sgd", "dataset": "mnist-st"}
+    out = levers.variant_configs(base, [levers.Variant("a", {"lr-x": 0.5})], [0, 3], tmp_path)
+    assert [(v.label, s, c.lr_x, c.seed, c.eval_split, c.validation_fraction) for v, s, c in out] == [
+        ("a", 0, 0.5, 0, "validation", 0.2), ("a", 3, 0.5, 3, "validation", 0.2)]
+    assert out[1][2].out_dir == str(tmp_path / "a-seed3")
+    with pytest.raises(ConfigError, match="momentum"):
+        levers.variant_configs(base, [levers.Variant("bad", {"momentum": 2.0})], [0], tmp_path)
+
+
+def test_levers_train_once_and_tabulate_the_validation_figures(tmp_path):
+    config = tmp_path / "base.toml"
+    config.write_text('algorithm = "dp-sgd-la"\ndataset = "mnist-st"\niterations = 4\nrefresh-batch = 64\n'
+                      'max-train-records = 600\nmax-test-records = 200\nepsilon = 4.0\nthreads = 1\n')
+    variants = [levers.parse_variant("momentum: momentum=0.9")]
+    levers.run_levers(config, variants, [0], tmp_path / "runs", jobs=1)
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in (tmp_path / "runs").iterdir()}
+    assert sorted(summaries) == ["file-seed0", "momentum-seed0"]
+    assert {s["eval_split"] for s in summaries.values()} == {"validation"}
+    stamp = (tmp_path / "runs" / "file-seed0" / "summary.json").stat().st_mtime_ns
+    levers.run_levers(config, variants, [0], tmp_path / "runs", jobs=1)  # finished runs are not trained again
+    assert (tmp_path / "runs" / "file-seed0" / "summary.json").stat().st_mtime_ns == stamp
+    md = levers.write_levers(config, variants, [0], tmp_path / "runs", tmp_path / "docs", "t")
+    text = md.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| momentum |"))
+    assert f"{summaries['momentum-seed0']['worst_class_accuracy']:.3f}" in row
+    assert "momentum=0.9" in row
+    assert (tmp_path / "docs" / "levers-t.csv").read_text().count("\n") == 3  # header and two rows

@@ -154,6 +154,8 @@ class ShardWorker:
         fault = self._inject(query)
         if query.quantity == EVAL_QUANTITY:
             return self._answer_eval(query, versions)
+        if query.ddg:
+            return self._answer_ddg(query, versions, fault)
         node_unit = getattr(self.cfg, "privacy_unit", "record") == "node"
         # privacy-unit=node: every record of the shard (the node is the unit; server/node_sampling.py)
         idx = np.arange(self.num_records) if node_unit else self.sample(query)
@@ -177,6 +179,46 @@ class ShardWorker:
         if fault == "nan":
             out[:] = np.nan
         return Reply(query.qid, self.partition, out, count)
+
+    def _answer_ddg(self, query: Query, versions: Mapping[int, np.ndarray], fault: str | None) -> Reply:
+        """noise-mode=distributed-discrete: this client's share of the release (``common.ddg.ShareSpec``; Kairouz,
+        Liu and Steinke 2021): each sampled record's vector clipped to ``query.clip`` (with the clipped-count
+        coordinate when ``query.count_scale`` > 0; for a count-only query the record's 1 or 0), divided by the
+        sensitivity, scaled to the integer grid, rotated and conditionally rounded, summed, plus a discrete
+        Gaussian share, modulo 2^bits: (d',) float64 of integers, count undisclosed. The rounding and the noise
+        draw from the run's client-noise generator (OS CSPRNG-seeded unless reproducible; OS CSPRNG bytes with
+        secure-noise)."""
+        from ..common import ddg
+        from ..common.per_sample import RowBlocks, clip_scales, norm_upper_bound
+
+        spec = ddg.ShareSpec.from_tuple(query.ddg)
+        idx = self.sample(query)
+        fn, flats, problem, groups = self._inputs(query, versions)
+        sens = query.sensitivity
+
+        def chunks():
+            for v in record_rows(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
+                                 self.x, self.y, torch.as_tensor(idx, device=self.device), problem, query.extra,
+                                 self.cfg.chunk_size, groups):
+                v = v.dense() if isinstance(v, RowBlocks) else v
+                if query.count_only:  # 1 for a record whose vector is within the clip (Query.count_only)
+                    rows = (norm_upper_bound(v) <= query.clip).to(torch.float64).unsqueeze(1)
+                else:
+                    scale, was_clipped = clip_scales(v, query.clip)
+                    finite = torch.where((scale > 0).unsqueeze(1), v, torch.zeros((), dtype=v.dtype, device=v.device))
+                    rows = finite.to(torch.float64) * scale.to(torch.float64).unsqueeze(1)
+                    if query.count_scale > 0:
+                        flag = was_clipped.to(torch.float64).unsqueeze(1) * (query.count_scale * query.clip)
+                        rows = torch.cat([rows, flag], dim=1)
+                yield rows.cpu().numpy() / sens
+
+        rng = None if self.cfg.secure_noise else site_rng(self.cfg.reproducible, self.cfg.seed, "client-noise",
+                                                          query.iteration, query.mechanism, self.partition,
+                                                          query.attempt)
+        out = spec.encode(chunks(), ddg.uniform_from(rng), query.out_dim).astype(np.float64)
+        if fault == "nan":
+            out[:] = np.nan
+        return Reply(query.qid, self.partition, out, UNDISCLOSED)
 
     def _answer_eval(self, query: Query, versions: Mapping[int, np.ndarray]) -> Reply:
         """A node evaluation (eval-data=nodes, common/eval_counts.py): the (2K,) per-class correct and total counts

@@ -22,7 +22,7 @@ def query_to_dict(q: Query) -> dict:
             "extra": [float(e) for e in q.extra], "versions": [p.version for p in q.points],
             "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
             "count-scale": float(q.count_scale), "noise-std": float(q.noise_std),
-            "count-only": bool(q.count_only)}
+            "count-only": bool(q.count_only), "ddg": [float(x) for x in q.ddg]}
 
 
 def query_from_dict(c) -> Query:
@@ -32,7 +32,8 @@ def query_from_dict(c) -> Query:
                  float(c["clip"]), int(c["dim"]), int(c.get("attempt", 0)),
                  tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
                  tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
-                 float(c.get("noise-std", 0.0)), bool(c.get("count-only", False)))
+                 float(c.get("noise-std", 0.0)), bool(c.get("count-only", False)),
+                 tuple(float(x) for x in c.get("ddg", [])))
 
 
 def encode_config(queries: list[Query], version_ids: list[int]) -> dict:
@@ -48,5 +49,24 @@ def decode_config(config: dict) -> tuple[list[Query], list[int]]:
 
 
 def to_units(queries: list[Query], replies: list[Reply]) -> list[np.ndarray]:
-    """A node's FitRes arrays: each noised sum divided by its query's sensitivity."""
-    return [np.asarray(r.total, dtype=np.float64) / q.sensitivity for q, r in zip(queries, replies, strict=True)]
+    """A node's FitRes arrays: each noised sum divided by its query's sensitivity; a DDG share (``Query.ddg``)
+    shifted by -2^(b-1) (``ddg_round_bits``: b the round's largest bits), which the SecAgg+ grid of
+    ``server.flower.secagg.SecAggRange.for_round`` maps back to the share itself, exactly."""
+    half = 2.0 ** (ddg_round_bits(queries) - 1)
+    return [np.asarray(r.total, dtype=np.float64) - half if q.ddg else
+            np.asarray(r.total, dtype=np.float64) / q.sensitivity for q, r in zip(queries, replies, strict=True)]
+
+
+def ddg_round_bits(queries: list[Query]) -> int:
+    """The most bits per coordinate of the DDG queries of one SecAgg+ round (0 when none is one): the round's
+    modulus is 2^b times room for the nodes (``SecAggRange.for_round``)."""
+    return max((int(q.ddg[2]) for q in queries if q.ddg), default=0)
+
+
+def ddg_share_sum(mean: np.ndarray, nodes: int, round_bits: int, bits: int) -> np.ndarray:
+    """The sum modulo 2^bits of ``nodes`` DDG shares from SecAgg+'s dequantised mean (the workflow returns
+    (S - k 2^(b-1)) / k for the integer sum S of the nodes' shares, b = ``round_bits``; ``to_units``): S rounded to
+    the nearest integer, then reduced modulo 2^bits (2^bits divides 2^b, so the modular sum is exact). float64
+    (d',) of integers."""
+    total = np.rint(np.asarray(mean, dtype=np.float64) * nodes + nodes * 2.0 ** (round_bits - 1))
+    return np.mod(total, 2.0**bits)

@@ -240,8 +240,21 @@ CORE_FIELDS: tuple[Field, ...] = (
           "sum of clipped sums: a trusted server), 'distributed' (each client adds 1/m_min of the variance, m_min = "
           "min-clients with on-client-failure=drop, else num-clients; the server only sees the SecAgg+ sum on "
           "Flower), 'local' (each client adds the full noise: private even "
-          "against the server). Docs: explanation/privacy.",
-          choices=("central", "distributed", "local"), role="privacy"),
+          "against the server), 'distributed-discrete' (the distributed discrete Gaussian of Kairouz, Liu and Steinke "
+          "2021: each client rounds its records to an integer grid and adds a discrete Gaussian share; the sum is "
+          "taken modulo 2^ddg-bits and the ledger charges that mechanism's own epsilon). Docs: explanation/privacy.",
+          choices=("central", "distributed", "local", "distributed-discrete"), role="privacy"),
+    Field("ddg-bits", "int", AUTO, "noise-mode=distributed-discrete: bits per coordinate of the modular sum; 'auto': "
+          "per release, the fewest for which it wraps around with probability at most ddg-wrap-probability. A set "
+          "value below what a release needs is refused before any client is asked.", low=2, high=52, auto=True,
+          role="privacy"),
+    Field("ddg-wrap-probability", "float", 1e-9, "noise-mode=distributed-discrete: the most probability with which "
+          "one release's modular sum may wrap around (a wrap costs accuracy, never privacy).", low=0.0, high=0.01,
+          low_open=True, role="privacy"),
+    Field("ddg-shortfall", "str", "refuse", "noise-mode=distributed-discrete, when fewer clients' shares than "
+          "num-clients are in a sum (a node dropped out after the shares were fixed): 'refuse' stops the run with "
+          "nothing released from that sum; 'charge' releases it and the ledger charges the smaller noise actually "
+          "present.", choices=("refuse", "charge"), role="privacy"),
     Field("secagg-num-shares", "float", 1.0, "SecAgg+ (noise-mode=distributed on Flower): fraction of the nodes each "
           "node secret-shares its keys with (1: all).", low=0.0, high=1.0, low_open=True, role="privacy"),
     Field("secagg-threshold", "float", 0.5, "SecAgg+: fraction of a node's shares needed to reconstruct its masks "
@@ -567,6 +580,8 @@ class Config:
         if self.noise_mode != "central" and not self.private:
             raise ConfigError(f"config key 'noise-mode': got {self.noise_mode!r}; allowed with epsilon=inf: "
                               "'central' only (a non-private run adds no noise anywhere)")
+        if self.noise_mode == "distributed-discrete":
+            self._check_ddg()
         if self.noise_mode == "distributed" and self.num_clients < 2:
             raise ConfigError(f"config key 'noise-mode': got 'distributed'; allowed only with num-clients >= 2 "
                               f"(got {self.num_clients}): one client's share is the whole noise")
@@ -594,6 +609,23 @@ class Config:
                 f"{MIN_EXPECTED_NODES} (the released mean over p m nodes of vectors of norm <= C carries noise std "
                 "z C / (p m) per coordinate: at z = 1 and fewer nodes, above C / 10); use more nodes (num-clients), a "
                 "higher node-sampling-rate, or privacy-unit=record")
+
+    def _check_ddg(self) -> None:
+        """noise-mode=distributed-discrete: what the mode does not support (yet), refused with the key named."""
+        from .partition import is_node_local  # late: numpy
+
+        on_nodes = self.eval_data == "nodes" or (self.eval_data == "auto" and is_node_local(self.partition))
+        bad = [("num-clients", self.num_clients, "at least 2 (one client's share is the whole noise)",
+                self.num_clients < 2),
+               ("node-sampling-rate", self.node_sampling_rate, "1 only (each share is calibrated for num-clients "
+                "shares)", self.node_sampling_rate < 1),
+               ("privacy-unit", self.privacy_unit, "'record' only", self.privacy_unit != "record"),
+               ("eval-data", self.eval_data, "'server' or 'auto' on a partition whose test records stay on the "
+                "server (node evaluation counts are not encoded as DDG shares yet)", on_nodes)]
+        for key, got, allowed, wrong in bad:
+            if wrong:
+                raise ConfigError(f"config key {key!r}: got {got!r} with noise-mode='distributed-discrete'; "
+                                  f"allowed there: {allowed}")
 
     def _check_batches(self) -> None:
         if self.max_train_records:  # the batches the algorithm reads, all at once (defaults follow n later)

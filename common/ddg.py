@@ -321,3 +321,191 @@ def check_shares(planned: int, present: int, policy: str) -> int:
 
 class ShareShortfall(RunFailed):
     """A DDG release missing noise shares under the 'refuse' dropout policy: nothing was released."""
+
+
+#: how much conditional rounding may inflate the sensitivity: the granularity is chosen so that
+#: Delta_2 <= (1 + ROUNDING_INFLATION) c' (``granularity``)
+ROUNDING_INFLATION = 0.005
+#: KLS' retry bound of conditional rounding (their default beta = e^-0.5)
+BETA = math.exp(-0.5)
+
+
+def granularity(dim: int, beta: float = BETA, inflation: float = ROUNDING_INFLATION) -> float:
+    """c' = c / gamma, the clip in grid units, smallest such that conditional rounding in ``dim`` (padded)
+    dimensions inflates the L2 sensitivity by at most ``inflation``: rounded_l2_bound(c', dim, beta) <= (1 +
+    inflation) c'. Solves (a c'^2 - s c' - (d/4 + s sqrt(d)/2) >= 0, a = (1 + inflation)^2 - 1, s = sqrt(2 ln(1 /
+    beta))) for the second term of KLS Proposition 22 (the first, c' + sqrt(d), needs c' >= sqrt(d) / inflation,
+    far larger). Example: d' = 32,768 gives c' = 913. ValueError unless dim >= 1, 0 < beta < 1, inflation > 0."""
+    if not (dim >= 1 and 0 < beta < 1 and inflation > 0):
+        raise ValueError(f"granularity needs dim >= 1, 0 < beta < 1, inflation > 0; got {dim}, {beta}, {inflation}")
+    a = (1 + inflation) ** 2 - 1
+    s = math.sqrt(2 * math.log(1 / beta))
+    c = (s + math.sqrt(s * s + 4 * a * (dim / 4 + s * math.sqrt(dim) / 2))) / (2 * a)
+    c *= 1 + 1e-12  # the float solution may sit a hair below the root
+    assert rounded_l2_bound(c, dim, beta) <= (1 + inflation) * c
+    return c
+
+
+@dataclass(frozen=True)
+class DdgGeometry:
+    """What a run's DDG accounting holds fixed: ``c_over_gamma`` c' (``granularity``), ``dim`` the largest padded
+    dimension of a release (the model's, count coordinate included), ``shares`` m the number of client shares each
+    share's noise is calibrated for, ``beta`` the rounding's retry bound.
+
+    A release at noise multiplier z (in units of the clip, the ledger's currency) is the DDG with shares of std
+    sigma = z c' / sqrt(m) (``sigma``). A release that summed only k < m shares of that sigma (dropouts, policy
+    'charge') is charged at z sqrt(k / m) (``shortfall_multiplier``): read back through ``sigma`` with m shares
+    it is the DDG of sigma sqrt(k / m) < sigma with m > k shares, whose Gaussian term is exactly the k shares'
+    (sqrt(m) sigma sqrt(k / m) = sqrt(k) sigma) and whose inflation tau (KLS Theorem 1, increasing in the number of
+    shares and decreasing in sigma) is at least theirs: an upper bound on the epsilon of what was released.
+    Likewise a release of smaller dimension than ``dim`` is bounded by the one of ``dim`` (Delta_2, Delta_1 and
+    the tau d term all grow with d)."""
+
+    c_over_gamma: float
+    dim: int
+    shares: int
+    beta: float = BETA
+
+    def sigma(self, noise_multiplier: float) -> float:
+        """Each share's discrete Gaussian std in grid units, z c' / sqrt(m)."""
+        return noise_multiplier * self.c_over_gamma / math.sqrt(self.shares)
+
+    def shortfall_multiplier(self, noise_multiplier: float, present: int) -> float:
+        """The multiplier a release with ``present`` = k of the m shares is charged at: z sqrt(min(k, m) / m)."""
+        return noise_multiplier * math.sqrt(min(present, self.shares) / self.shares)
+
+    def release(self, rate: float, noise_multiplier: float, count: int = 1) -> DdgRelease:
+        """``count`` releases at (rate, z) as a ``DdgRelease`` of this geometry."""
+        return DdgRelease(rate, self.c_over_gamma, self.sigma(noise_multiplier), self.shares, self.dim, self.beta,
+                          count)
+
+    def epsilon(self, items: Sequence[tuple[float, float, int]], delta: float) -> float:
+        """Epsilon at ``delta`` of (rate, z, count) releases (``ddg_epsilon``); inf if some z <= 0, 0 for none."""
+        items = [(r, z, c) for r, z, c in items if c > 0]
+        if not items:
+            return 0.0
+        if any(z <= 0 or not math.isfinite(z) for _, z, _ in items):
+            return math.inf
+        return ddg_epsilon([self.release(r, z, c) for r, z, c in items], delta)
+
+
+def record_bound(n: int, rate: float, wrap_probability: float) -> int:
+    """R, a public bound on the records one release sums (all clients together): with Poisson sampling at
+    ``rate`` of n records the count is Binomial(n, rate), and P(count > R) <= ``wrap_probability`` (scipy's
+    inverse survival function, plus one); n itself for rate 1. Depends on n and the rate only, never on the
+    data."""
+    from scipy import stats
+
+    if rate >= 1:
+        return n
+    return min(n, int(stats.binom.isf(wrap_probability, n, rate)) + 1)
+
+
+def release_bits(out_dim: int, n: int, rate: float, c_over_gamma: float, sigma: float, shares: int,
+                 wrap_probability: float) -> int:
+    """Bits per coordinate of one release of ``out_dim`` coordinates at ``rate`` over n records: half the wrap
+    probability for more records than ``record_bound``, half for a coordinate past the range (``modulus_bits``)
+    with that many records."""
+    records = record_bound(n, rate, wrap_probability / 2)
+    return modulus_bits(padded_dim(out_dim), records, c_over_gamma, sigma, shares, wrap_probability / 2)
+
+
+def rotate_rows(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """``rotate`` of the rows of x (B, d) computed faster for a client's records: H_{d'} = H_a (x) H_b (a b = d',
+    Kronecker product of Sylvester Hadamard matrices), so each padded row, read as an (a, b) matrix X, maps to
+    H_a X H_b / sqrt(d'), two batched float32 matrix products (torch). float64 (B, d') out. The float32 error
+    (relative ~1e-6 of a coordinate) touches only the rounding's unbiasedness, never privacy: conditional
+    rounding bounds the norm of the integer vector itself."""
+    import torch
+
+    n = len(signs)
+    k = n.bit_length() - 1
+    a, b = 1 << ((k + 1) // 2), 1 << (k // 2)
+    padded = np.zeros((len(x), n), dtype=np.float32)
+    padded[:, :x.shape[1]] = x
+    padded *= signs.astype(np.float32)
+    ha = torch.from_numpy(linalg.hadamard(a).astype(np.float32))
+    hb = torch.from_numpy(linalg.hadamard(b).astype(np.float32))
+    y = (ha @ torch.from_numpy(padded).reshape(-1, a, b) @ hb).reshape(len(x), n)
+    return y.numpy().astype(np.float64) / math.sqrt(n)
+
+
+def round_rows(rows: np.ndarray, scale: float, signs: np.ndarray, bound: float, uniform: Uniform,
+               max_tries: int = 1000) -> np.ndarray:
+    """The integer sum (d',) int64 of rows (B, d) in units of the sensitivity (norm <= 1): scaled by ``scale``,
+    rotated (``rotate_rows``) and conditionally rounded as ``conditional_round`` does (each row redrawn until its
+    L2 norm is <= ``bound``; RuntimeError after ``max_tries``), summed in float64 (exact: integers below 2^53).
+    ``encode``'s step 2; call it chunk by chunk and add the results."""
+    if not len(rows):
+        return np.zeros(len(signs), dtype=np.int64)
+    x = rotate_rows(np.asarray(rows, dtype=np.float64) * scale, signs)
+    low = np.floor(x)
+    frac = x - low
+    total = np.zeros(x.shape[1], dtype=np.float64)
+    todo = np.arange(len(x))
+    for _ in range(max_tries):
+        rounded = low[todo] + (uniform(todo.size * x.shape[1]).reshape(todo.size, x.shape[1]) <= frac[todo])
+        ok = np.einsum("ij,ij->i", rounded, rounded) <= bound * bound
+        total += rounded[ok].sum(axis=0)
+        todo = todo[~ok]
+        if todo.size == 0:
+            return total.astype(np.int64)
+    raise RuntimeError(f"conditional rounding: {todo.size} row(s) still above the bound {bound:.6g} after "
+                       f"{max_tries} tries (rows of norm above the clip?)")
+
+
+def noised_share(total: np.ndarray, sigma: float, bits: int, uniform: Uniform) -> np.ndarray:
+    """A client's share from its integer sum ``total`` (d',): plus N_Z(0, sigma^2)^d', modulo 2^bits, uint64."""
+    out = np.asarray(total, dtype=np.int64) + discrete_gaussian(sigma, len(total), uniform)
+    return np.mod(out, 1 << bits).astype(np.uint64)
+
+
+def centred(total: np.ndarray, bits: int) -> np.ndarray:
+    """Values modulo 2^bits (uint64 or integral float64) mapped to [-2^(bits-1), 2^(bits-1)), int64."""
+    m = 1 << bits
+    v = np.mod(np.asarray(total).astype(np.int64), m)
+    return np.where(v >= m // 2, v - m, v)
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    """What a client needs to encode its share of one DDG release (``Query.ddg`` carries it as a tuple; all
+    public): ``c_over_gamma`` the scale from units of the sensitivity to grid units, ``sigma`` its discrete
+    Gaussian std (grid units), ``bits`` the modulus 2^bits, ``bound`` the rounding's L2 bound Delta_2, ``rotation``
+    the seed of the public rotation signs (``signs``)."""
+
+    c_over_gamma: float
+    sigma: float
+    bits: int
+    bound: float
+    rotation: int
+
+    def to_tuple(self) -> tuple[float, ...]:
+        """(c', sigma, bits, bound, rotation) as floats (bits and rotation < 2^53: exact)."""
+        return (float(self.c_over_gamma), float(self.sigma), float(self.bits), float(self.bound),
+                float(self.rotation))
+
+    @classmethod
+    def from_tuple(cls, t: Sequence[float]) -> ShareSpec:
+        """Inverse of ``to_tuple``; ValueError for another length."""
+        if len(t) != 5:
+            raise ValueError(f"a DDG share spec has 5 numbers (c', sigma, bits, bound, rotation), got {len(t)}")
+        return cls(float(t[0]), float(t[1]), int(t[2]), float(t[3]), int(t[4]))
+
+    def signs(self, out_dim: int) -> np.ndarray:
+        """The public rotation signs (``rotation_signs``) of a release of ``out_dim`` coordinates."""
+        return rotation_signs(out_dim, np.random.default_rng(self.rotation))
+
+    def encode(self, chunks, uniform: Uniform, out_dim: int) -> np.ndarray:
+        """A client's share (d',) uint64 from ``chunks``, an iterable of (B, out_dim) float64 row arrays in units of
+        the sensitivity (norm <= 1): ``round_rows`` per chunk, summed, then ``noised_share``."""
+        signs = self.signs(out_dim)
+        total = np.zeros(len(signs), dtype=np.int64)
+        for rows in chunks:
+            total += round_rows(rows, self.c_over_gamma, signs, self.bound, uniform)
+        return noised_share(total, self.sigma, self.bits, uniform)
+
+    def decode(self, total: np.ndarray, out_dim: int) -> np.ndarray:
+        """The released sum (out_dim,) float64, in units of the sensitivity, from the modular sum (``decode``)."""
+        return decode(np.asarray(total).astype(np.uint64), self.c_over_gamma, self.signs(out_dim), out_dim,
+                      self.bits)

@@ -49,6 +49,10 @@ class Query:
             adds 1 or 0, the null record 0, so the sensitivity is 1 (the private quantile of the difference clip,
             Andrew et al. 2021, "Differentially private learning with adaptive clipping", NeurIPS, Algorithm 1;
             server/algorithms/diff_levers.py). ``count_scale`` does not apply.
+        ddg: noise-mode=distributed-discrete: the public spec of the client's share
+            (``common.ddg.ShareSpec.to_tuple``: c', sigma, bits, bound, rotation seed); the reply is then the share
+            modulo 2^bits, (d',) with d' the power of two >= ``out_dim``, its values integers as float64. Empty
+            otherwise.
     """
 
     iteration: int
@@ -65,6 +69,7 @@ class Query:
     count_scale: float = 0.0
     noise_std: float = 0.0
     count_only: bool = False
+    ddg: tuple[float, ...] = ()
 
     @property
     def out_dim(self) -> int:

@@ -9,7 +9,9 @@ mode says where that noise is drawn and whom the resulting epsilon holds against
   (``min_shares``), and the server only sees their (SecAgg+) total; any release of k >= m_min shares carries
   variance (k / m_min) (z S)^2 >= (z S)^2, against the server too;
 - ``local``: each client adds the full N(0, (z S)^2) (private even against the server; the released sum carries
-  m times the variance).
+  m times the variance);
+- ``distributed-discrete``: the distributed discrete Gaussian (``common.ddg``; Kairouz, Liu and Steinke 2021) in
+  place of the Gaussian: integer shares summed modulo 2^bits, the ledger charging that mechanism's own epsilon.
 
 Each mode answers the same questions (``NoiseMode``): the std a client adds, the std the server adds, the noise
 multiplier that protects a record against the server itself, whether the transport must aggregate securely, the
@@ -106,6 +108,8 @@ class NoiseMode:
     secure_aggregation: ClassVar[bool] = False
     #: the server sees the clients' clipped sums without noise (epsilon against the server is inf)
     trusts_server: ClassVar[bool] = False
+    #: the clients encode discrete shares (``Query.ddg``; the distributed discrete Gaussian) instead of Gaussian noise
+    discrete: ClassVar[bool] = False
 
     def client_noise_std(self, noise_multiplier: float, sensitivity: float, shares: int) -> float:
         """Std each client adds to its own sum."""
@@ -137,9 +141,10 @@ class NoiseMode:
         """What this mode's accounting does not model (summary.json's not_accounted), one sentence each."""
         return []
 
-    def check(self, cfg, noise: Mapping[str, float], largest_shard: int) -> list[str]:
+    def check(self, cfg, noise: Mapping[str, float], largest_shard: int, plan=None) -> list[str]:
         """Check a private run in this mode before any work: ``cfg`` its configuration (``common.config.Config``),
-        ``noise`` mechanism -> calibrated multiplier, ``largest_shard`` the most records one client holds. Raises
+        ``noise`` mechanism -> calibrated multiplier, ``largest_shard`` the most records one client holds, ``plan``
+        the run's ``server.run_plan.RunPlan`` (None where not at hand). Raises
         ConfigError for a run the mode cannot carry out; returns warnings."""
         return []
 
@@ -205,7 +210,7 @@ class Distributed(NoiseMode):
                 f"{SECAGG_STEP_OVER_SHARE_STD:g} x a share's noise std, checked before the run; bounded and "
                 "reported per release) is not modelled by the Gaussian accounting"]
 
-    def check(self, cfg, noise: Mapping[str, float], largest_shard: int) -> list[str]:
+    def check(self, cfg, noise: Mapping[str, float], largest_shard: int, plan=None) -> list[str]:
         """ConfigError from ``min_shares`` or ``check_secagg_grid``; returns warnings (a share calibrated for fewer
         clients than there are: every release of all m clients then carries m / m_min times the planned
         variance)."""
@@ -243,8 +248,89 @@ class Local(NoiseMode):
         return "local: every client noised its own sum; epsilon holds against everyone, the server included"
 
 
+@dataclass(frozen=True)
+class DistributedDiscrete(NoiseMode):
+    """The distributed discrete Gaussian (Kairouz, Liu and Steinke, ICML 2021; ``common.ddg``): each client
+    rounds its records' clipped vectors to an integer grid after a public random rotation and adds a discrete
+    Gaussian share of std sigma = z c' / sqrt(m) grid steps (m = num-clients, the shares each is calibrated for);
+    the server sees only the sum of the shares modulo 2^bits and decodes it. The ledger charges this mechanism's
+    own epsilon (``ddg.DdgGeometry``: KLS Proposition 14 with Zhu and Wang's subsampling bound), not the
+    continuous Gaussian's; no Gaussian noise is drawn (``client_noise_std`` and ``server_noise_std`` are 0: the
+    client's noise travels in ``Query.ddg``). A sum of k < m shares (dropouts) is refused or charged at
+    z sqrt(k / m), config key ddg-shortfall."""
+
+    name: ClassVar[str] = "distributed-discrete"
+    secure_aggregation: ClassVar[bool] = True
+    #: the release carries discrete shares in ``Query.ddg`` instead of Gaussian ``noise_std``
+    discrete: ClassVar[bool] = True
+
+    def client_noise_std(self, noise_multiplier: float, sensitivity: float, shares: int) -> float:
+        """0: the client's noise is a discrete Gaussian share (``Query.ddg``), not a Gaussian."""
+        return 0.0
+
+    def server_noise_std(self, noise_multiplier: float, sensitivity: float, shares: int, replied: int) -> float:
+        """0: the server adds nothing (a shortfall is refused or charged, never topped up)."""
+        return 0.0
+
+    def released_noise_std(self, noise_multiplier: float, sensitivity: float, shares: int, replied: int) -> float:
+        """The shares' noise std in the released sum, z S sqrt(k / m) (each share's variance (z S)^2 / m in the
+        units of the sum; the rounding's variance, at most 1/4 grid step^2 per record, not included)."""
+        if not _noised(noise_multiplier, sensitivity):
+            return 0.0
+        return noise_multiplier * sensitivity * math.sqrt(replied / shares)
+
+    def server_view_multiplier(self, noise_multiplier: float, shares: int, replied: int) -> float:
+        """z sqrt(min(k, m) / m) (``ddg.DdgGeometry.shortfall_multiplier``), read by the DDG accounting; inf for
+        an empty sum."""
+        return noise_multiplier * math.sqrt(min(replied, shares) / shares) if replied else math.inf
+
+    def trust_statement(self, transport_name: str) -> str:
+        """Against the server only the shares protect; in-process runs say that no secure aggregation took place."""
+        where = ("the server saw only the modular sums of the clients' discrete shares" if transport_name == "flower"
+                 else "in-process run: discrete shares encoded and summed modulo 2^bits as in the distributed "
+                 "discrete Gaussian, but no secure aggregation took place")
+        return (f"distributed-discrete: {where}; epsilon is the distributed discrete Gaussian's (Kairouz, Liu and "
+                "Steinke 2021) and holds for everything released, epsilon_against_server against the server itself")
+
+    def not_accounted(self) -> list[str]:
+        """The sampler's float acceptance test; wrap-around is accuracy, not privacy."""
+        return ["distributed discrete Gaussian: the sampler's acceptance test is computed in float64, not in exact "
+                "rational arithmetic (Canonne, Kamath and Steinke 2020, Algorithm 3); a modular wrap-around "
+                "(probability at most ddg-wrap-probability per release) costs accuracy, not privacy"]
+
+    def check(self, cfg, noise: Mapping[str, float], largest_shard: int, plan=None) -> list[str]:
+        """ConfigError when a set ddg-bits is below what a training release of the model's dimension needs at its
+        wrap probability (``plan``: the ``server.run_plan.RunPlan``, whose ``ddg`` geometry and ``n`` it reads;
+        releases of other dimensions are checked when decorated, before any client is asked). No warnings."""
+        if plan is None or plan.ddg is None:
+            return []
+        from .ddg import release_bits
+
+        g = plan.ddg
+        for mech in plan.releases:
+            z = noise.get(mech.name, 0.0)
+            if z <= 0 or not math.isfinite(z) or mech.rate >= 1:
+                continue
+            need = release_bits(g.dim, plan.n, mech.rate, g.c_over_gamma, g.sigma(z), g.shares,
+                                cfg.ddg_wrap_probability)
+            check_ddg_bits(cfg, need, mech.name)
+        return []
+
+
+def check_ddg_bits(cfg, needed: int, mechanism: str) -> int:
+    """The bits a DDG release of ``mechanism`` uses: config key ddg-bits, or ``needed`` (the fewest for the wrap
+    probability, ``ddg.release_bits``) when 'auto'. ConfigError for a set value below ``needed``."""
+    if cfg.ddg_bits == "auto":
+        return needed
+    if int(cfg.ddg_bits) < needed:
+        raise ConfigError(f"config key 'ddg-bits': got {cfg.ddg_bits}; release '{mechanism}' needs at least {needed} "
+                          f"bits per coordinate for a wrap-around probability of at most {cfg.ddg_wrap_probability:g} "
+                          f"(config key ddg-wrap-probability); allowed: {needed} to 52, or 'auto'")
+    return int(cfg.ddg_bits)
+
+
 #: name -> NoiseMode, in the order of config key noise-mode's choices
-NOISE_MODES: dict[str, NoiseMode] = {m.name: m for m in (Central(), Distributed(), Local())}
+NOISE_MODES: dict[str, NoiseMode] = {m.name: m for m in (Central(), Distributed(), Local(), DistributedDiscrete())}
 
 
 def noise_mode(name: str) -> NoiseMode:

@@ -178,7 +178,7 @@ def train(cfg: Config, transport: Transport, test: ArrayDataset, *, resume: bool
         log.warning("reproducible=true with reproducible-for-testing=true: %s (seed %d is saved in summary.json: "
                     "anyone with the run folder can subtract the noise)", SEEDED_NOT_PRIVATE, cfg.seed)
     if cfg.private:
-        for warning in noise_mode(cfg.noise_mode).check(cfg, plan.noise, transport.largest_shard):
+        for warning in noise_mode(cfg.noise_mode).check(cfg, plan.noise, transport.largest_shard, plan):
             log.warning("%s", warning)
     for text in plan.notes:
         _note(progress, text)
@@ -222,7 +222,7 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
     setup releases with the algorithm's start state (or the checkpoint's state, rows and setup)."""
     cfg, algo = plan.cfg, plan.algo
     ledger = Ledger(plan.releases, plan.noise, cfg.epsilon, plan.delta, cfg.accountant,
-                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
+                    ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate), plan.ddg)
     rd = RunDir(cfg.out_dir)
     rd.create()
     x0 = plan.model.initial().double().numpy()
@@ -356,6 +356,10 @@ def _restore_releaser(run: TrainingRun, lost: list[dict], progress: Progress) ->
     # checkpoints before the server view was a Ledger hold only its (rate, z) counts
     releaser.server_ledger.load_state(seen if isinstance(seen, dict) else {"spent": {}, "extra": seen})
     releaser.monitor = NoiseMonitor.from_state(saved.get("noise_monitor", {}))
+    done = rd.read_events(warn=False) if releaser.ledger.ddg is not None and rd.events.exists() else []
+    for e in done:  # the bits per coordinate of the DDG releases so far (summary.json)
+        if "ddg_bits" in e:
+            releaser.ddg_bits[e["mechanism"]] = max(releaser.ddg_bits.get(e["mechanism"], 0), int(e["ddg_bits"]))
     charged = charge_lost_releases(lost, releaser.ledger, releaser.server_ledger, cfg.privacy, run.state.t)
     if charged:
         log.warning("%s", charged)
@@ -413,8 +417,8 @@ def charge_lost_releases(lost: list[dict], ledger: Ledger, server_ledger: Ledger
     the releases so far plus the rest of the plan would spend more than the target epsilon.
     """
     released = [e for e in lost if not e.get("discarded")]
-    for e in released:
-        ledger.record(float(e["rate"]), float(e["noise_multiplier"]))
+    for e in released:  # a DDG release missing shares (ddg-shortfall=charge) was charged at its smaller multiplier
+        ledger.record(float(e["rate"]), float(e.get("charged_noise_multiplier", e["noise_multiplier"])))
     for e in lost:  # what the server saw: 0 (no noise) in central mode
         server_ledger.record(float(e["rate"]), float(e.get("server_view_multiplier", 0.0)))
     if not released:

@@ -58,6 +58,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize
 
 from ..common.config import ConfigError
+from ..common.ddg import DdgGeometry
 from ..common.errors import DpdroError
 from .node_sampling import mixed_pld, mixed_rdp
 
@@ -137,14 +138,21 @@ def composed_event(counts: Mapping[tuple[float, float], int]) -> dp_accounting.D
 
 
 def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
-               accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> float:
+               accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0, ddg: DdgGeometry | None = None) -> float:
     """Epsilon at ``delta`` of the composition of the releases in ``counts`` (0 for no release).
 
     counts maps (sampling rate, noise multiplier) -> number of releases; ``node_rate`` p < 1 makes every release
-    the revealed mixture of its event (node sampling, module docstring). Results are cached (the same
-    counts are evaluated again by calibration and the guard). Raises ValueError for an unknown accountant
+    the revealed mixture of its event (node sampling, module docstring). ``ddg``: the releases are the
+    distributed discrete Gaussian of that geometry (noise-mode=distributed-discrete; ``common.ddg.DdgGeometry.
+    epsilon``, its own RDP analysis: ``accountant`` is not used, node sampling not supported). Results are cached
+    (the same counts are evaluated again by calibration and the guard). Raises ValueError for an unknown accountant
     and AccountingCostError when accountant='pld' cannot fit the plan's PLD in ``PLD_MAX_POINTS``.
     """
+    if ddg is not None:
+        if node_rate != 1:
+            raise ValueError("the distributed discrete Gaussian's accounting does not support node sampling")
+        items = tuple(sorted((float(r), float(z), int(c)) for (r, z), c in counts.items() if c > 0))
+        return _ddg_epsilon_cached(items, float(delta), ddg)
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(ACCOUNTANTS)}")
     items = tuple(sorted((float(r), float(z), int(c)) for (r, z), c in counts.items() if c > 0))
@@ -155,6 +163,11 @@ def epsilon_of(counts: Mapping[tuple[float, float], int], delta: float,
     if node_rate != 1:
         return _epsilon_cached(items, float(delta), accountant, float(node_rate))
     return _epsilon_cached(items, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=512)
+def _ddg_epsilon_cached(items: tuple[tuple[float, float, int], ...], delta: float, ddg: DdgGeometry) -> float:
+    return ddg.epsilon(items, delta)
 
 
 @functools.lru_cache(maxsize=512)
@@ -289,13 +302,14 @@ def plan_counts(plan: Mapping[Mechanism, int], scale: float) -> Counter:
 
 
 def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
-              accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> float:
+              accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0, ddg: DdgGeometry | None = None) -> float:
     """The common noise scale s at which ``plan`` spends epsilon in [0.99 epsilon, epsilon] at ``delta``.
 
     The RDP solution is found first (cheap at any scale); for 'pld' it is the upper end of the bracket (PLD
     is the tighter bound: it needs 0.90-0.95x the RDP noise on our plans) and the lower end is searched
     downwards from 0.85x it, so the PLD is never evaluated at tiny noise multipliers. The returned scale is
     checked with ``epsilon_of`` itself (what the ledger reports). ``node_rate``: node sampling (``epsilon_of``).
+    ``ddg``: the distributed discrete Gaussian's accounting (``epsilon_of``), solved directly (one bound only).
 
     Raises ValueError for a non-positive or infinite target, an empty plan or one-off releases that alone
     spend the target; CalibrationError if no scale lands in [0.99 target, target] (it never returns an
@@ -309,6 +323,8 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
         raise ValueError("calibration needs a plan with at least one release")
     fixed = {m: n for m, n in plan.items() if m.fixed_noise is not None}
     def eps_of(counts: Counter, kind: str) -> float:  # node_rate passed only when node sampling is on
+        if ddg is not None:
+            return epsilon_of(counts, delta, kind, node_rate, ddg)
         return epsilon_of(counts, delta, kind) if node_rate == 1 else epsilon_of(counts, delta, kind, node_rate)
 
     if fixed and eps_of(plan_counts(fixed, 1.0), accountant) >= epsilon:
@@ -324,7 +340,7 @@ def calibrate(plan: Mapping[Mechanism, int], epsilon: float, delta: float,
         return lambda scale: eps_of(plan_counts(plan, scale), kind)
 
     rdp_scale = _solve(eps_with("rdp"), epsilon, 1.0, describe)
-    if accountant == "rdp":
+    if accountant == "rdp" or ddg is not None:
         return rdp_scale
     try:
         return _solve(eps_with("pld"), epsilon, rdp_scale, describe, below=True)
@@ -391,16 +407,20 @@ class Ledger:
             reported epsilon is inf).
         accountant: 'pld' (default) or 'rdp'.
         node_rate: the node-sampling rate p of every release (1: none; ``epsilon_of``).
+        ddg: noise-mode=distributed-discrete: every release is the distributed discrete Gaussian of this geometry
+            (``epsilon_of``); None: the subsampled Gaussian.
     """
 
     def __init__(self, plan: Mapping[Mechanism, int], noise: Mapping[str, float], epsilon: float,
-                 delta: float, accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0) -> None:
+                 delta: float, accountant: str = DEFAULT_ACCOUNTANT, node_rate: float = 1.0,
+                 ddg: DdgGeometry | None = None) -> None:
         self.plan = dict(plan)
         self.noise = dict(noise)
         self.epsilon = epsilon
         self.delta = delta
         self.accountant = accountant
         self.node_rate = node_rate
+        self.ddg = ddg
         self.by_name = {m.name: m for m in plan}
         self.spent: Counter = Counter()  # mechanism name -> releases made
         self.extra: Counter = Counter()  # (rate, z) -> releases made beyond the plan
@@ -426,6 +446,29 @@ class Ledger:
             counts[extra_release] += 1
         return counts
 
+    def _epsilon(self, counts: Mapping[tuple[float, float], int]) -> float:
+        """``epsilon_of`` the counts with this ledger's delta, accountant, node rate and DDG geometry."""
+        if self.ddg is not None:
+            return epsilon_of(counts, self.delta, self.accountant, self.node_rate, self.ddg)
+        return epsilon_of(counts, self.delta, self.accountant, self.node_rate)
+
+    def charge_at(self, mechanism: str, rate: float, noise_multiplier: float) -> None:
+        """Record one release of ``mechanism`` at ``rate`` that carried only ``noise_multiplier`` (at most the
+        planned one: a DDG release missing shares, ddg-shortfall=charge), or raise PrivacyBudgetExceeded
+        (recording nothing) if the exact epsilon with it exceeds the target. At the planned multiplier it is
+        ``charge``. Call before the value is released."""
+        planned = self.noise.get(mechanism, 0.0)
+        if noise_multiplier >= planned or not self.private:
+            self.charge(mechanism, rate)
+            return
+        eps = self._epsilon(self._counts((rate, noise_multiplier)))
+        if eps > self.epsilon:
+            raise PrivacyBudgetExceeded(
+                f"release '{mechanism}' (rate {rate:.6g}) with the noise of the shares present only (noise "
+                f"multiplier {noise_multiplier:.6g} of the planned {planned:.6g}) would spend epsilon {eps:.4f} > "
+                f"target {self.epsilon:g} at delta {self.delta:.3g}; refused")
+        self.extra[(rate, noise_multiplier)] += 1
+
     def check(self, mechanism: str, rate: float) -> None:
         """Raise PrivacyBudgetExceeded if one more release of ``mechanism`` at ``rate`` would take epsilon
         beyond the target; record nothing. Call before a client is asked to compute (in distributed and local
@@ -446,7 +489,7 @@ class Ledger:
             self.spent[mechanism] += record
             return
         z = self.noise.get(mechanism, 0.0)
-        eps = epsilon_of(self._counts((rate, z)), self.delta, self.accountant, self.node_rate)
+        eps = self._epsilon(self._counts((rate, z)))
         if eps > self.epsilon:
             raise PrivacyBudgetExceeded(
                 f"release '{mechanism}' (rate {rate:.6g}, noise multiplier {z:.6g}) would spend epsilon "
@@ -477,7 +520,7 @@ class Ledger:
         """Epsilon at the run's delta of every release recorded so far (inf in a non-private run)."""
         if not self.private:
             return math.inf
-        return epsilon_of(self._counts(), self.delta, self.accountant, self.node_rate)
+        return self._epsilon(self._counts())
 
     def epsilon_if_completed(self) -> float:
         """Epsilon at the run's delta of every release recorded so far plus the rest of the plan (each mechanism's
@@ -488,7 +531,7 @@ class Ledger:
         counts = self._counts()
         for m, planned in self.plan.items():
             counts[(m.rate, self.noise[m.name])] += max(planned - self.spent[m.name], 0)
-        return epsilon_of(counts, self.delta, self.accountant, self.node_rate)
+        return self._epsilon(counts)
 
     def record(self, rate: float, noise_multiplier: float) -> None:
         """Record one release at (rate, noise multiplier) without any guard: for a ledger that counts what someone

@@ -111,6 +111,9 @@ def check_reply(query: Query, reply: Reply, dtype: str) -> None:
     where = f"reply of partition {reply.partition} to {query.qid}"
     if reply.qid != query.qid:
         raise ReplyError(f"{where}: answers {reply.qid!r}")
+    if query.ddg:
+        check_share(query, reply, where)
+        return
     total = np.asarray(reply.total)
     if total.shape != (query.out_dim,):
         raise ReplyError(f"{where}: shape {total.shape}, expected ({query.out_dim},)")
@@ -128,6 +131,22 @@ def check_reply(query: Query, reply: Reply, dtype: str) -> None:
         if norm > bound:
             raise ReplyError(f"{where}: norm {norm:.9g} exceeds sensitivity {query.sensitivity:.9g} x count "
                              f"{reply.count} (clip {query.clip:.6g}, {dtype} rounding slack included)")
+
+
+def check_share(query: Query, reply: Reply, where: str) -> None:
+    """A DDG share (noise-mode=distributed-discrete, ``Query.ddg``): (d',) float64 of integers in [0, 2^bits),
+    d' the power of two >= the query's out_dim; ReplyError otherwise. Any such vector is a possible share (the
+    noise covers the whole range), so nothing more can be checked."""
+    from ..common.ddg import ShareSpec, padded_dim
+
+    bits = ShareSpec.from_tuple(query.ddg).bits
+    total = np.asarray(reply.total)
+    want = (padded_dim(query.out_dim),)
+    if total.shape != want or total.dtype != REPLY_DTYPE:
+        raise ReplyError(f"{where}: {total.dtype} {total.shape}, expected a {REPLY_DTYPE} share of shape {want}")
+    if not (np.all(np.isfinite(total)) and np.all(total == np.floor(total)) and total.min(initial=0) >= 0
+            and total.max(initial=0) < 2.0**bits):
+        raise ReplyError(f"{where}: not a share modulo 2^{bits} (integers in [0, 2^{bits}))")
 
 
 def split_valid(query: Query, replies: list[Reply], dtype: str) -> tuple[list[Reply], dict[int, str]]:

@@ -12,11 +12,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..common import ddg
 from ..common.config import Config
+from ..common.errors import RunFailed
 from ..common.eval_counts import EVAL_QUANTITY
 from ..common.faults import active_fault
 from ..common.messages import Query, Reply
-from ..common.noise_modes import noise_mode
+from ..common.noise_modes import check_ddg_bits, noise_mode
 from ..common.rng import site_rng
 from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
@@ -125,12 +127,15 @@ class Releaser:
         self.offset: tuple[float, ...] = ()
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
-                                    ledger.node_rate)
+                                    ledger.node_rate, ledger.ddg)
         self.mode = noise_mode(cfg.noise_mode)  # where the noise is drawn (common/noise_modes.py)
         self.node_unit = cfg.privacy_unit == "node"
         if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.9)
             self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
+        if ledger.ddg is not None:  # distributed-discrete: every share is calibrated for the geometry's m clients
+            self.shares = ledger.ddg.shares
+        self.ddg_bits: dict[str, int] = {}  # mechanism -> bits per coordinate of its DDG releases (the largest)
         self.quantisation_ratio = 0.0  # largest SecAgg+ rounding bound / noise std of a released sum
         fault = active_fault()
         # test hook only ($DPDRO_INJECT_FAULT kind 'leak', common/faults.py): (partition, first iteration) whose
@@ -151,7 +156,49 @@ class Releaser:
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)
+        if self.ledger.ddg is not None and z > 0:
+            q = dataclasses.replace(q, ddg=self.share_spec(q, z).to_tuple())
         return dataclasses.replace(q, noise_std=share)
+
+    def share_spec(self, q: Query, z: float) -> ddg.ShareSpec:
+        """The public spec of the clients' DDG shares of ``q`` at noise multiplier z (noise-mode=
+        distributed-discrete): the run's granularity, sigma = z c' / sqrt(m), the bits per coordinate
+        (``noise_modes.check_ddg_bits``: ConfigError for a set ddg-bits below the need, before any client is
+        asked), the rounding bound of its padded dimension and a fresh rotation seed (public; from the seed when
+        reproducible). RunFailed for a release longer than the geometry's dimension."""
+        g = self.ledger.ddg
+        dim = ddg.padded_dim(q.out_dim)
+        if dim > g.dim:
+            raise RunFailed(f"release '{q.mechanism}' has {q.out_dim} coordinates, more than the distributed "
+                            f"discrete Gaussian's planned dimension {g.dim}")
+        sigma = g.sigma(z)
+        need = ddg.release_bits(q.out_dim, self.n, q.rate, g.c_over_gamma, sigma, g.shares,
+                                self.cfg.ddg_wrap_probability)
+        bits = check_ddg_bits(self.cfg, need, q.mechanism)
+        rotation = int(site_rng(self.cfg.reproducible, self.cfg.seed, "ddg-rotation", q.iteration,
+                                q.mechanism).integers(2**53))
+        return ddg.ShareSpec(g.c_over_gamma, sigma, bits, ddg.rounded_l2_bound(g.c_over_gamma, dim, g.beta), rotation)
+
+    def _ddg_total(self, q: Query, got: list[Reply], clients: int, z: float) -> tuple[np.ndarray, dict]:
+        """The released sum (q.out_dim,) of a DDG release in the query's units and its event fields: the shares
+        (or their secure sum) summed modulo 2^bits and decoded (``ddg.ShareSpec.decode``). Fewer than m shares
+        (config key ddg-shortfall): 'refuse' journals what the server saw and raises ``ddg.ShareShortfall``
+        (nothing released); 'charge' charges the ledger at z sqrt(k / m) (``Ledger.charge_at``). Otherwise the
+        planned charge."""
+        spec = ddg.ShareSpec.from_tuple(q.ddg)
+        g = self.ledger.ddg
+        if clients < g.shares and self.cfg.ddg_shortfall == "refuse":
+            self._seen_by_server(q, got, discarded=True)
+        present = ddg.check_shares(g.shares, clients, self.cfg.ddg_shortfall)
+        charged = g.shortfall_multiplier(z, present)
+        self.ledger.charge_at(q.mechanism, q.rate, charged)  # raises before anything is released if it would overspend
+        modulus = 1 << spec.bits
+        total = np.zeros(ddg.padded_dim(q.out_dim), dtype=np.int64)
+        for r in got:
+            total = (total + np.asarray(r.total).astype(np.int64)) % modulus
+        self.ddg_bits[q.mechanism] = max(self.ddg_bits.get(q.mechanism, 0), spec.bits)
+        return spec.decode(total, q.out_dim) * q.sensitivity, {"ddg_bits": spec.bits, "ddg_shares": clients,
+                                                               "charged_noise_multiplier": charged}
 
     def noise_sensitivity(self, q: Query) -> float:
         """The sensitivity the noise of ``q`` is calibrated to: its per-record bound times the float64 rounding
@@ -172,11 +219,19 @@ class Releaser:
         released, events = {}, []
         for q in queries:
             got = replies[q.qid]
-            total, clients = aggregate(q, got), sum(r.clients for r in got)
-            seen = self._seen_by_server(q, got)
-            self._check_server_view()
-            self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
+            clients = sum(r.clients for r in got)
             z = self.ledger.noise_multiplier(q.mechanism)
+            discrete: dict = {}
+            if q.ddg:  # distributed discrete Gaussian: shares modulo 2^bits, charged by ddg-shortfall
+                seen = None if clients < self.shares and self.cfg.ddg_shortfall == "refuse" else \
+                    self._seen_by_server(q, got)
+                self._check_server_view()
+                total, discrete = self._ddg_total(q, got, clients, z)
+            else:
+                total = aggregate(q, got)
+                seen = self._seen_by_server(q, got)
+                self._check_server_view()
+                self.ledger.charge(q.mechanism, q.rate)  # raises before anything is released if it would overspend
             mode, trusted = self.mode.name, self.mode.trusts_server
             rng = site_rng(self.cfg.reproducible, self.cfg.seed, "noise", q.iteration, q.mechanism)
             std = self.mode.server_noise_std(z, self.noise_sensitivity(q), self.shares, clients)
@@ -184,14 +239,15 @@ class Releaser:
             mean = noisy_mean(q, total, std, self.n, rng, secure=self.cfg.secure_noise, expected=expected)
             event = {"iteration": q.iteration, "mechanism": q.mechanism, "rate": q.rate, "noise_multiplier": z,
                      "clip": q.clip, "expected_batch": expected, "clients": clients, "noise_mode": mode,
-                     "noise_std_of_mean": z * self.noise_sensitivity(q) / expected}
+                     "noise_std_of_mean": z * self.noise_sensitivity(q) / expected, **discrete}
             if not trusted and seen is not None:
                 event["server_view_multiplier"] = seen
             if not trusted and z > 0:
                 event["server_topup_std"] = std
                 event["released_noise_std_of_mean"] = self.mode.released_noise_std(
                     z, self.noise_sensitivity(q), self.shares, clients) / expected
-                bound = self.transport.quantisation_bound(q, clients) if got and got[0].securely_aggregated else None
+                secure = got and got[0].securely_aggregated and not q.ddg  # DDG shares are carried exactly
+                bound = self.transport.quantisation_bound(q, clients) if secure else None
                 if bound is not None:
                     event["quantisation_bound"] = bound
                     self.quantisation_ratio = max(self.quantisation_ratio, bound / (z * self.noise_sensitivity(q)))

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..common import ddg
 from ..common.batches import fitted_to_n, over_n
 from ..common.config import AUTO, Config, ConfigError, field_by_key
+from ..common.ddg import DdgGeometry
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
+from ..common.noise_modes import noise_mode
 from ..common.per_sample import FlatModel
 from . import node_evaluation
 from . import setup as setup_releases
@@ -81,15 +84,29 @@ def check_groups(cfg: Config, num_groups: int) -> None:
                           "attribute (allowed: 'class', or a data set with groups such as celeba)")
 
 
+def ddg_geometry(cfg: Config, dim: int) -> DdgGeometry | None:
+    """noise-mode=distributed-discrete: the run's ``common.ddg.DdgGeometry`` for a model of ``dim`` trainable
+    parameters (every release is at most dim + 2 long: the eta coordinate and the clipped-count coordinate), its
+    shares calibrated for num-clients, the granularity from ``ddg.granularity``; None in any other mode or when not
+    private."""
+    if not (cfg.private and noise_mode(cfg.noise_mode).discrete):
+        return None
+    padded = ddg.padded_dim(dim + 2)
+    return DdgGeometry(ddg.granularity(padded), padded, cfg.num_clients)
+
+
 def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, float], dict | None]:
-    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None)."""
+    """(plan with the setup releases, mechanism -> calibrated noise multiplier, noise profiles or None). With
+    noise-mode=distributed-discrete the multipliers are calibrated with that mechanism's accounting
+    (``ddg_geometry``)."""
     profiles = algo.noise_profiles() if cfg.noise_allocation == "variance" else None
     plan = {**setup_releases.mechanisms(cfg), **allocate(algo.plan(), profiles),
             **node_evaluation.mechanisms(cfg, delta)}  # eval-data=nodes: the evaluations, at fixed noise
     plan = unit_plan(plan, cfg.privacy_unit, cfg.node_sampling_rate)  # node unit: every release at rate p over nodes
     if cfg.private:
         scale = calibrate(plan, cfg.epsilon, delta, cfg.accountant,
-                          ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate))
+                          ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate),
+                          ddg_geometry(cfg, getattr(algo, "dim", 0)))
         noise = {m.name: m.noise_at(scale) for m in plan}
         if cfg.privacy_unit == "node":
             check_node_noise(noise, cfg.node_sampling_rate, cfg.num_clients)
@@ -119,6 +136,7 @@ class RunPlan:
     noise: dict[str, float]
     profiles: dict | None
     notes: list[str]
+    ddg: DdgGeometry | None = None
 
 
 def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_shape: tuple[int, ...],
@@ -145,7 +163,8 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     check_groups(cfg, num_groups)
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
     releases, noise, profiles = plan_run(cfg, algo, n, delta)
-    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes)
+    return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes,
+                   ddg_geometry(cfg, model.dim))
 
 
 def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:
@@ -156,6 +175,8 @@ def planned_epsilon(plan: RunPlan) -> dict[str, float] | None:
     counts: dict[tuple[float, float], int] = {}
     for m, k in plan.releases.items():
         counts[(m.rate, plan.noise[m.name])] = counts.get((m.rate, plan.noise[m.name]), 0) + k
+    if plan.ddg is not None:  # the distributed discrete Gaussian has its own accounting (ledger.epsilon_of)
+        return {"ddg": epsilon_of(counts, plan.delta, plan.cfg.accountant, 1.0, plan.ddg)}
     return {acc: epsilon_of(counts, plan.delta, acc) for acc in ACCOUNTANTS}
 
 
@@ -178,6 +199,26 @@ def epsilon_split(plan: RunPlan) -> dict | None:
             **{name: epsilon_of(c, plan.delta, cfg.accountant, rate) for name, c in parts.items()}}
 
 
+def describe_ddg(plan: RunPlan) -> dict | None:
+    """noise-mode=distributed-discrete: the planned mechanism (None otherwise): the clip in grid steps c', the
+    padded dimension and shares of the analysis, the wrap-around probability per release, the shortfall policy and,
+    per release of the plan, the bits per coordinate a release of the model's dimension needs at its sampling rate
+    (``ddg.release_bits``; config key ddg-bits when set: ConfigError if below). Releases of fewer coordinates (the
+    setup histograms) are sized when made; summary.json reports the bits every release used."""
+    g = plan.ddg
+    if g is None:
+        return None
+    from ..common.noise_modes import check_ddg_bits
+
+    bits = {m.name: check_ddg_bits(plan.cfg, ddg.release_bits(g.dim, plan.n, m.rate, g.c_over_gamma,
+                                                              g.sigma(plan.noise[m.name]), g.shares,
+                                                              plan.cfg.ddg_wrap_probability), m.name)
+            for m in plan.releases}
+    return {"clip_in_grid_steps": g.c_over_gamma, "padded_dimension": g.dim, "shares": g.shares,
+            "wrap_probability": plan.cfg.ddg_wrap_probability, "shortfall_policy": plan.cfg.ddg_shortfall,
+            "bits_per_coordinate": bits}
+
+
 def describe_plan(plan: RunPlan) -> dict:
     """The plan as one JSON-friendly dict (what ``dpdro plan`` prints): algorithm, dataset, n (training records),
     fitted (one line per batch key fitted to n), iterations, epsilon_target, delta, accountant, noise_mode;
@@ -185,7 +226,8 @@ def describe_plan(plan: RunPlan) -> dict:
     (num_classes, num_groups, dro: whether the algorithm optimises a DRO objective, keys: every config key the
     algorithm reads with its value); releases (name, count, sampling_rate, noise_multiplier, in plan order) and
     planned_epsilon (``planned_epsilon``); epsilon_split (``epsilon_split``: evaluations and training apart, when
-    the run evaluates on the nodes). Reads only what the plan decided: releases nothing."""
+    the run evaluates on the nodes); with noise-mode=distributed-discrete, ddg (``describe_ddg``). Reads only what the
+    plan decided: releases nothing."""
     cfg, algo = plan.cfg, plan.algo
     values = cfg.to_dict()
     return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
@@ -197,4 +239,5 @@ def describe_plan(plan: RunPlan) -> dict:
                         "keys": {k: values[k] for k in algo.spec.keys}},
             "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": plan.noise[m.name]}
                          for m, k in plan.releases.items()],
-            "planned_epsilon": planned_epsilon(plan), "epsilon_split": epsilon_split(plan)}
+            "planned_epsilon": planned_epsilon(plan), "epsilon_split": epsilon_split(plan),
+            **({"ddg": describe_ddg(plan)} if plan.ddg is not None else {})}

@@ -277,6 +277,12 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
         trusted = noise_mode(summary["noise_mode"]).trusts_server
         if not trusted and summary.get("epsilon_against_server") is not None:
             lines.append(f"- Epsilon against the server itself: {_fmt_eps(summary['epsilon_against_server'])}")
+        if summary.get("ddg"):
+            d = summary["ddg"]
+            bits = ", ".join(f"{m} {b}" for m, b in sorted(d["bits_per_coordinate"].items()))
+            lines.append(f"- Distributed discrete Gaussian: bits per coordinate {bits or '-'}; modular wrap-around "
+                         f"probability at most {d['wrap_probability']:g} per release; shares calibrated for "
+                         f"{d['shares']} clients, shortfall policy '{d['shortfall_policy']}'; {d['accounting']}")
     else:
         lines.append("- **NOT PRIVATE**: epsilon = inf, no clipping and no noise.")
     search = summary.get("private_search")

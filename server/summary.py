@@ -42,6 +42,7 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "noise_mode": cfg.noise_mode, "trust_model": trust_statement(cfg, transport_name),
         "privacy_unit": cfg.privacy_unit, "node_sampling_rate": cfg.node_sampling_rate,
         "epsilon_against_server": releaser.epsilon_against_server(),
+        **({"ddg": ddg_facts(cfg, ledger, releaser)} if ledger.ddg is not None else {}),
         **({"max_quantisation_over_noise": releaser.quantisation_ratio} if releaser.quantisation_ratio else {}),
         "sampling_rates": {m.name: m.rate for m in plan}, "releases": dict(ledger.spent),
         # releases charged outside the plan: those made after a checkpoint by a run that stopped without one
@@ -65,6 +66,20 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "private": cfg.private and not cfg.noise_from_saved_seed, "reproducible": cfg.reproducible,
         **(initial_model or {}), "not_accounted": not_accounted(cfg, setup),
     }
+
+
+def ddg_facts(cfg: Config, ledger: Ledger, releaser: Releaser) -> dict:
+    """noise-mode=distributed-discrete: what summary.json states about the mechanism (``common.ddg``): the
+    accounting, the granularity c' (the clip in grid steps), the padded dimension and shares it is analysed for,
+    the bits per coordinate of each mechanism's releases (the most it used), the wrap-around probability per
+    release and the shortfall policy."""
+    g = ledger.ddg
+    return {"mechanism": "distributed discrete Gaussian (Kairouz, Liu and Steinke, ICML 2021)",
+            "accounting": "RDP of KLS Proposition 14 with Zhu and Wang's Poisson subsampling bound, converted by "
+                          "dp-accounting (config key accountant not used)",
+            "clip_in_grid_steps": g.c_over_gamma, "padded_dimension": g.dim, "shares": g.shares,
+            "bits_per_coordinate": dict(releaser.ddg_bits), "wrap_probability": cfg.ddg_wrap_probability,
+            "shortfall_policy": cfg.ddg_shortfall}
 
 
 def algorithm_fields(cfg: Config, setup, spider: dict) -> dict:

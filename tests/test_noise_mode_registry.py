@@ -44,8 +44,9 @@ def test_no_noise_when_not_private(mode):
 
 
 def test_flags_and_trust_statements():
-    assert [m.secure_aggregation for m in NOISE_MODES.values()] == [False, True, False]
-    assert [m.trusts_server for m in NOISE_MODES.values()] == [True, False, False]
+    assert [m.secure_aggregation for m in NOISE_MODES.values()] == [False, True, False, True]
+    assert [m.trusts_server for m in NOISE_MODES.values()] == [True, False, False, False]
+    assert [m.discrete for m in NOISE_MODES.values()] == [False, False, False, True]
     assert NOISE_MODES["distributed"].server_view_multiplier(Z, M_MIN, 0) == math.inf
     cfg = Config.from_mapping({"noise-mode": "distributed", "num-clients": 2})
     assert trust_statement(cfg, "flower").startswith("distributed: the server saw only SecAgg+ sums")

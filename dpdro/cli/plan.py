@@ -52,7 +52,7 @@ def privacy_plan(cfg) -> dict:
     plan = plan_training(cfg, transport.num_records, train_set.num_classes, train_set.num_groups,
                          tuple(train_set.x.shape[1:]))
     if plan.cfg.private:
-        for warning in noise_mode(plan.cfg.noise_mode).check(plan.cfg, plan.noise, transport.largest_shard):
+        for warning in noise_mode(plan.cfg.noise_mode).check(plan.cfg, plan.noise, transport.largest_shard, plan):
             logging.getLogger(__name__).warning("%s", warning)
     return describe_plan(plan)
 
@@ -66,6 +66,9 @@ def search_plan(plan: dict, distribution: str, eta: float, gamma: float, mu: flo
     if plan["planned_epsilon"] is None:
         raise ConfigError("--private-search: the configuration is not private (epsilon = inf); allowed: a finite "
                           "epsilon")
+    if plan.get("ddg"):  # its trials' releases are not subsampled Gaussians: the search's composition does not apply
+        raise ConfigError(f"--private-search: config key 'noise-mode' is {plan['noise_mode']!r}; allowed: central, "
+                          "distributed or local (the search composes subsampled Gaussian releases)")
     dist = TrialCount(distribution, eta=eta, gamma=gamma, mu=mu)
     counts = score_counts(score_noise)
     for r in plan["releases"]:
@@ -111,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
         print(textwrap.fill(f"of which {what}: {e['evaluations_count']} eval-counts releases, epsilon "
                             f"{e['evaluations']:.4f} on their own; training: epsilon {e['training']:.4f} on its own "
                             f"({p['accountant']}; together the planned epsilon above)", 118, subsequent_indent="  "))
+    if p.get("ddg"):
+        d = p["ddg"]
+        print(textwrap.fill(
+            f"noise mode {p['noise_mode']}: distributed discrete Gaussian, clip = {d['clip_in_grid_steps']:.4g} grid "
+            f"steps, padded dimension {d['padded_dimension']}, shares of {d['shares']} clients; bits per coordinate "
+            "(model-sized release): " + ", ".join(f"{k} {b}" for k, b in d["bits_per_coordinate"].items())
+            + f"; modular wrap-around probability <= {d['wrap_probability']:g} per release; shortfall policy "
+            f"{d['shortfall_policy']}", 118, subsequent_indent="  "))
     if "private_search" in p:
         s = p["private_search"]
         print(f"private search, {s['describe']}, each trial this plan plus a noisy score (noise multiplier "

@@ -22,6 +22,11 @@ for every release, and the run refuses to start unless the step is at most a ten
 (``noise_modes.check_secagg_grid``). R = (largest shard) + 10 noise stds covers any clipped sum (its coordinates
 are at most S times the node's record count) plus its noise share except with probability < 1e-22 per coordinate,
 so the workflow's own clipping to [-R, R] essentially never acts.
+
+noise-mode=distributed-discrete: the nodes' arrays are their DDG shares (integers modulo 2^b, ``common.ddg``), which
+the grid of ``SecAggRange.for_round`` carries exactly (step 1); the server gets their integer sum and reduces it
+modulo 2^b (``codec.ddg_share_sum``): what the distributed discrete Gaussian's analysis assumes secure aggregation
+reveals, with no quantisation error.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...common.codec import ddg_round_bits, ddg_share_sum
+from ...common.config import ConfigError
 from ...common.messages import Query
 from ...common.noise_modes import secagg_grid
 
@@ -47,12 +54,25 @@ class SecAggRange:
 
     clipping_range: float
     quantization_range: int
+    modulus: int = MODULUS
 
     @classmethod
     def for_round(cls, queries: list[Query], largest_shard: int, clients: int) -> SecAggRange:
         """``noise_modes.secagg_grid``: R = largest shard + 1 + 10 noise-share stds (units of S); Q = 2^(31 - ceil(log2
         m)), so m Q <= 2^31 (``release.check_secagg_grid`` refused, before the run, a step not small against a
-        share)."""
+        share). A round of DDG shares (noise-mode=distributed-discrete, b = ``codec.ddg_round_bits``): R = 2^(b-1),
+        Q = 2^b (step 1: each share, sent shifted by -R, ``codec.to_units``, is quantised to itself, exactly) and
+        modulus 2^(b + ceil(log2 m) + 1) > m Q (room for the workflow's weight factor m Q); ConfigError, before any
+        node is asked, when that exceeds Flower's 2^32."""
+        bits = ddg_round_bits(queries)
+        if bits:
+            room = max(1, math.ceil(math.log2(max(clients, 2)))) + 1
+            if bits + room > 32:
+                raise ConfigError(f"config key 'ddg-bits': a release needs {bits} bits per coordinate, and SecAgg+ "
+                                  f"over {clients} nodes needs {room} more within Flower's 32-bit modulus; allowed: "
+                                  f"at most {32 - room} bits on Flower (a larger ddg-wrap-probability, or fewer "
+                                  "records per release, needs fewer)")
+            return cls(2.0 ** (bits - 1), 2**bits, 2 ** (bits + room))
         shares = [q.noise_std / q.sensitivity for q in queries if q.sensitivity > 0 and math.isfinite(q.sensitivity)]
         return cls(*secagg_grid(largest_shard, max(shares, default=0.0), clients))
 
@@ -119,7 +139,8 @@ class SecureRound:
         legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         workflow = SecAggPlusWorkflow(self.num_shares, self.threshold, max_weight=1.0,
                                       clipping_range=self.ranges.clipping_range,
-                                      quantization_range=self.ranges.quantization_range, modulus_range=MODULUS,
+                                      quantization_range=self.ranges.quantization_range,
+                                      modulus_range=self.ranges.modulus,
                                       timeout=self.timeout)
         flwr_log = logging.getLogger("flwr")
         level = flwr_log.level
@@ -132,7 +153,9 @@ class SecureRound:
             raise RuntimeError("SecAgg+ halted (too few nodes answered for its reconstruction threshold); "
                                "the server learned nothing of this round")
         k = len(captured["nodes"])
-        sums = {q.qid: np.asarray(a, dtype=np.float64) * k * q.sensitivity
+        bits = ddg_round_bits(queries)
+        sums = {q.qid: ddg_share_sum(a, k, bits, int(q.ddg[2])) if q.ddg else
+                np.asarray(a, dtype=np.float64) * k * q.sensitivity
                 for q, a in zip(queries, captured["mean"], strict=True)}
         dropped = sorted(set(contents) - set(captured["nodes"]))
         return sums, k, dropped

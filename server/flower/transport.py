@@ -190,7 +190,7 @@ class FlowerTransport:
         """Every node's replies to ``queries``; with ``sampled`` (mechanism -> partitions; node sampling, never with
         secure aggregation) a node gets only the queries it was sampled for, and one sampled for none gets no
         message."""
-        if self.secure and any(q.noise_std > 0 for q in queries):
+        if self.secure and any(q.noise_std > 0 or q.ddg for q in queries):
             if sampled is not None:
                 raise ValueError("node sampling with secure aggregation: refused by config validation")
             return self._run_secure(list(queries), versions)

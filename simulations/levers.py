@@ -2,14 +2,14 @@
 
     dpdro lab levers --config simulations/configs/tuned/cifar10-st-eps4-dp-sgd-la.toml \\
         --variant "momentum 0.9: momentum=0.9 lr-x=0.25" --variant "..." [--seeds 0 1] [--jobs 2] \\
-        [--root runs/levers/NAME] [--docs DIR | --write-docs] [--name NAME]
+        [--root runs/levers] [--docs DIR | --write-docs] [--name NAME]
 
 Each variant is the configuration file with a few keys changed (a ``--variant`` is ``LABEL: KEY=VALUE ...``;
 the file itself is always the first row, 'file'). Every variant is trained with every seed on the training split
 minus its validation split (``validation-fraction`` of every class, the search's fraction; a data set with its own
 validation split trains on the whole training split) and evaluated on the validation split only: the test split
 is never touched, so a variant chosen from the table is chosen as the search chooses. Resumable: a run with a
-summary.json is not trained again (``<root>/<label slug>-seed<s>``).
+summary.json is not trained again (``<root>/<name>/<label slug>-seed<s>``).
 
 The table gives, per variant, the worst-class (worst-group) validation accuracy and the validation accuracy at the
 file's post-hoc tau (mean +/- std over the seeds), and the same at the tau of ``TAU_GRID`` with the best mean

@@ -303,16 +303,18 @@ def test_no_lab_tool_writes_into_docs_by_default():
     from dpdro.cli.shared import CHECKOUT, docs_dir
 
     parser = build_parser()
+    required = {"levers": ["--config", "some.toml"]}  # the tools whose parser needs an argument
     for tool in lab.TOOLS:
         if tool is bench:
             assert bench.document(parser.parse_args(["lab", "bench"])) == "runs/bench/PERFORMANCE.md"
             assert bench.document(parser.parse_args(["lab", "bench", "--write-docs"])) == str(
                 CHECKOUT / "docs" / "research" / "PERFORMANCE.md")
             continue
-        args = parser.parse_args(["lab", tool.NAME])
+        base = ["lab", tool.NAME, *required.get(tool.NAME, [])]
+        args = parser.parse_args(base)
         assert docs_dir(args) == Path(args.root) and args.root.startswith("runs/"), tool.NAME
-        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--write-docs"])) == CHECKOUT / "docs" / "research"
-        assert docs_dir(parser.parse_args(["lab", tool.NAME, "--docs", "elsewhere"])) == Path("elsewhere")
+        assert docs_dir(parser.parse_args([*base, "--write-docs"])) == CHECKOUT / "docs" / "research"
+        assert docs_dir(parser.parse_args([*base, "--docs", "elsewhere"])) == Path("elsewhere")
 
 
 def test_the_console_script_prints_a_warning_as_one_dpdro_line():

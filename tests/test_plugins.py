@@ -48,22 +48,22 @@ def test_config_refuses_the_toys_until_they_are_registered():
     for key, value in (("algorithm", "toy-momentum"), ("dataset", "toy-blobs"), ("model", "toy-linear")):
         with pytest.raises(ConfigError, match=f"config key '{key}': got '{value}'"):
             Config.from_mapping({key: value})
-    with pytest.raises(ConfigError, match="unknown config key 'momentum'"):  # the toy algorithm's own key
-        Config.from_mapping({"momentum": 0.9})
+    with pytest.raises(ConfigError, match="unknown config key 'toy-beta'"):  # the toy algorithm's own key
+        Config.from_mapping({"toy-beta": 0.9})
 
 
 def test_a_plugin_algorithm_declares_its_own_key_in_its_file(toys):
     """The toy's key is validated, typed in its params section, ignored (with a warning) by other algorithms."""
     from dpdro.common.config import FIELD_BY_KEY, IgnoredKeyWarning
 
-    assert FIELD_BY_KEY["momentum"].section == "algorithm"
-    cfg = Config.from_mapping({**TOY_RUN, "momentum": 0.9})
-    assert cfg.params.momentum == 0.9 and cfg.momentum == 0.9
-    assert type(cfg.params).__dataclass_fields__["momentum"].type is float
-    with pytest.raises(ConfigError, match=r"config key 'momentum': got 1\.5; allowed: a number in \[0, 1\)"):
-        Config.from_mapping({**TOY_RUN, "momentum": 1.5})
-    with pytest.warns(IgnoredKeyWarning, match="config key 'momentum' = 0.9 is ignored: algorithm 'dp-sgd'"):
-        Config.from_mapping({"algorithm": "dp-sgd", "momentum": 0.9})
+    assert FIELD_BY_KEY["toy-beta"].section == "algorithm"
+    cfg = Config.from_mapping({**TOY_RUN, "toy-beta": 0.9})
+    assert cfg.params.toy_beta == 0.9 and cfg.toy_beta == 0.9
+    assert type(cfg.params).__dataclass_fields__["toy_beta"].type is float
+    with pytest.raises(ConfigError, match=r"config key 'toy-beta': got 1\.5; allowed: a number in \[0, 1\)"):
+        Config.from_mapping({**TOY_RUN, "toy-beta": 1.5})
+    with pytest.warns(IgnoredKeyWarning, match="config key 'toy-beta' = 0.9 is ignored: algorithm 'dp-sgd'"):
+        Config.from_mapping({"algorithm": "dp-sgd", "toy-beta": 0.9})
 
 
 def test_config_accepts_registered_toys(toys):

@@ -1,5 +1,5 @@
 """A toy algorithm in one file (CONTRIBUTING.md): private gradient descent with momentum on the cross-entropy,
-with its own per-record quantity and its own config key (momentum). Registering it takes the two decorators below;
+with its own per-record quantity and its own config key (toy-beta). Registering it takes the two decorators below;
 tests/test_plugins.py trains it.
 """
 
@@ -31,14 +31,14 @@ class ToyState(State):
     m: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
-MOMENTUM = param("momentum", "float", 0.5, "Weight of the past in toy-momentum's m <- momentum m + g.", low=0.0,
+MOMENTUM = param("toy-beta", "float", 0.5, "Weight of the past in toy-momentum's m <- toy-beta m + g.", low=0.0,
                  high=1.0, high_open=True)
 
 
-@register_algorithm(AlgorithmSpec("toy-momentum", keys=("refresh-batch", "clip-x", "lr-x", "momentum"),
+@register_algorithm(AlgorithmSpec("toy-momentum", keys=("refresh-batch", "clip-x", "lr-x", "toy-beta"),
                                   quantities=("toy-ce-grad",), params=(MOMENTUM,)))
 class ToyMomentum(Algorithm):
-    """x <- x - lr (m <- momentum m + g), g the noisy mean of clipped per-record gradients: one release per step."""
+    """x <- x - lr (m <- toy-beta m + g), g the noisy mean of clipped per-record gradients: one release per step."""
 
     def mechanisms(self) -> list[Mechanism]:
         return [Mechanism("grad", self.rate(self.cfg.refresh_batch))]
@@ -55,7 +55,7 @@ class ToyMomentum(Algorithm):
                       c.clip(c.clip_x), self.dim)]
 
     def apply(self, state: ToyState, released: dict[str, np.ndarray]) -> ToyState:
-        m = self.params.momentum * state.m + released["grad"]
+        m = self.params.toy_beta * state.m + released["grad"]
         return ToyState(t=state.t + 1, x=state.x - self.cfg.lr_x * m, m=m)
 
     def versions(self, state: ToyState) -> dict[int, np.ndarray]:

@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", nargs="+", default=["0"])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--name", default=None, help="the table's name (default: the config file's stem)")
-    p.add_argument("--root", default=None, help="where the runs live (default: runs/levers/NAME)")
-    shared.add_output_arguments(p, "levers-NAME.md", "runs/levers/NAME")
+    p.add_argument("--root", default="runs/levers", help="the runs live in ROOT/NAME (default: runs/levers)")
+    shared.add_output_arguments(p, "levers-NAME.md", "runs/levers")
     p.add_argument("--report", action="store_true", help="run nothing: write the table from finished runs")
 
 
@@ -30,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
 
     config = Path(args.config)
     name = args.name or config.stem
-    args.root = args.root or f"runs/levers/{name}"
+    runs = Path(args.root) / name
     variants = [parse_variant(v) for v in args.variant]  # every variant parsed before any run
     seeds = [int(s) for s in args.seeds]
     if not args.report:
-        run_levers(config, variants, seeds, Path(args.root), args.jobs)
-    print(write_levers(config, variants, seeds, Path(args.root), shared.docs_dir(args), name).read_text())
+        run_levers(config, variants, seeds, runs, args.jobs)
+    print(write_levers(config, variants, seeds, runs, shared.docs_dir(args), name).read_text())
     return 0

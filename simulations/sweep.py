@@ -202,7 +202,7 @@ KEYS_ADDED_LATER = {"block-order": "sequential", "reproducible-for-testing": Fal
                     "x-estimator": "spider", "x-storm-a": 0.1, "clip-diff-rule": "fixed", "clip-diff-quantile": 0.5,
                     "clip-diff-quantile-lr": 0.2, "clip-diff-quantile-noise-ratio": 5.0,
                     "node-sampling-rate": 1.0, "privacy-unit": "record", "momentum": 0.0,
-                    "dro-groups": "class", "checkpoint-select": "last", "ddg-bits": "auto",
+                    "checkpoint-select": "last", "ddg-bits": "auto",
                     "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse"}
 # Keys that change only what a run states about itself (the summary's not_accounted), never what it computes: left
 # out of the fingerprint at every value.

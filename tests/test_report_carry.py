@@ -279,8 +279,7 @@ OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head", "eval-data": "
 # Keys whose other value needs another key changed with it (features=scatternet needs a scatter model); the
 # fingerprint is compared against the configuration with those companions alone where it is valid without the key.
 WITH = {"features": {"model": "scatter-linear"}, "privacy-unit": {"num-clients": 10},
-        "checkpoint-select": {"eval-split": "validation", "validation-fraction": 0.1},
-        "dro-groups": {"dro-level": "group", "num-clients": 10}}
+        "checkpoint-select": {"eval-split": "validation", "validation-fraction": 0.1}}
 
 
 def test_a_key_added_later_counts_only_away_from_its_old_behaviour():

@@ -9,7 +9,7 @@ the file itself is always the first row, 'file'). Every variant is trained with 
 minus its validation split (``validation-fraction`` of every class, the search's fraction; a data set with its own
 validation split trains on the whole training split) and evaluated on the validation split only: the test split
 is never touched, so a variant chosen from the table is chosen as the search chooses. Resumable: a run with a
-summary.json is not trained again (``<root>/<name>/<label slug>-seed<s>``).
+summary.json of the same configuration (its fingerprint) is not trained again (``<root>/<name>/<label slug>-seed<s>``).
 
 The table gives, per variant, the worst-class (worst-group) validation accuracy and the validation accuracy at the
 file's post-hoc tau (mean +/- std over the seeds), and the same at the tau of ``TAU_GRID`` with the best mean
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..common.atomic import atomic_write_text
 from ..common.config import Config, ConfigError
+from ..common.errors import DpdroError
 
 TAU_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
@@ -88,13 +89,28 @@ def variant_configs(base: dict, variants: list[Variant], seeds: list[int],
     return out
 
 
+def is_current(cfg: Config) -> bool:
+    """Whether ``cfg.out_dir`` holds a finished run (summary.json) of this very configuration: the fingerprint of
+    its config.json equals ``cfg``'s (``sweep.config_fingerprint``), so a run left by an earlier version of the
+    configuration file is trained again, not tabulated under the new one."""
+    from ..server.engine import load_run_config
+    from .sweep import config_fingerprint
+
+    if not (Path(cfg.out_dir) / "summary.json").is_file():
+        return False
+    try:
+        return config_fingerprint(load_run_config(cfg.out_dir)) == config_fingerprint(cfg)
+    except DpdroError:
+        return False
+
+
 def run_levers(config: Path, variants: list[Variant], seeds: list[int], root: Path, jobs: int) -> None:
     """Train every (variant, seed) run that has no summary.json yet, ``jobs`` at a time."""
     from .runner import run_many
 
     base = tomllib.loads(config.read_text())
     planned = variant_configs(base, [Variant("file", {}), *variants], seeds, root)
-    todo = [cfg for _, _, cfg in planned if not (Path(cfg.out_dir) / "summary.json").is_file()]
+    todo = [cfg for _, _, cfg in planned if not is_current(cfg)]
     for out_dir, missing in run_many(todo, jobs, "levers"):
         if missing:
             raise ConfigError(f"{out_dir}: {missing}")
@@ -114,10 +130,10 @@ def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Pa
     from .posthoc_tau import scan
 
     base = tomllib.loads(config.read_text())
+    planned = variant_configs(base, [Variant("file", {}), *variants], seeds, root)
     rows = []
     for v in [Variant("file", {}), *variants]:
-        runs = [root / f"{slug(v.label)}-seed{s}" for s in seeds]
-        done = [r for r in runs if (r / "summary.json").is_file()]
+        done = [Path(cfg.out_dir) for w, _, cfg in planned if w.label == v.label and is_current(cfg)]
         sums = [json.loads((r / "summary.json").read_text()) for r in done]
         row = {"label": v.label, "changes": v.changes, "n": len(done),
                "worst": [s["worst_class_accuracy"] for s in sums], "accuracy": [s["test_accuracy"] for s in sums]}
@@ -127,6 +143,22 @@ def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Pa
             row.update(best_tau=TAU_GRID[best], best_worst=terms[best][0], best_accuracy=terms[best][2])
         rows.append(row)
     return rows
+
+
+def against_file(rows: list[dict]) -> list[str]:
+    """Each variant's difference from the file row in mean worst class and mean accuracy (at the file's tau), with
+    the report's decision rule (``tables.verdict``: 'better' / 'worse' only where the Welch 95 % interval of the
+    difference excludes 0)."""
+    from .tables import verdict
+
+    file, out = rows[0], []
+    for r in rows[1:]:
+        if r["worst"] and file["worst"]:
+            dw = statistics.mean(r["worst"]) - statistics.mean(file["worst"])
+            da = statistics.mean(r["accuracy"]) - statistics.mean(file["accuracy"])
+            out.append(f"- {r['label']} against the file: worst {dw:+.3f} ({verdict(r['worst'], file['worst'])}), "
+                       f"accuracy {da:+.3f} ({verdict(r['accuracy'], file['accuracy'])}).")
+    return ["At the file's tau, each variant against the file (n seeds each):", "", *out] if out else []
 
 
 def write_levers(config: Path, variants: list[Variant], seeds: list[int], root: Path, docs: Path, name: str) -> Path:
@@ -145,6 +177,7 @@ def write_levers(config: Path, variants: list[Variant], seeds: list[int], root: 
                 else "- | - | -")
         lines.append(f"| {r['label']} | {keys} | {r['n']} | {_mean_std(r['worst'])} | {_mean_std(r['accuracy'])} "
                      f"| {best} |")
+    lines += ["", *against_file(rows)]
     docs.mkdir(parents=True, exist_ok=True)
     md = docs / f"levers-{name}.md"
     atomic_write_text(md, "\n".join(lines) + "\n")

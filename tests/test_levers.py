@@ -47,3 +47,23 @@ def test_levers_train_once_and_tabulate_the_validation_figures(tmp_path):
     assert f"{summaries['momentum-seed0']['worst_class_accuracy']:.3f}" in row
     assert "momentum=0.9" in row
     assert (tmp_path / "docs" / "levers-t.csv").read_text().count("\n") == 3  # header and two rows
+    config.write_text(config.read_text().replace("iterations = 4", "iterations = 3"))  # the file changed
+    assert levers.lever_rows(config, variants, [0], tmp_path / "runs")[0]["n"] == 0  # its old runs are not its rows
+    levers.run_levers(config, variants, [0], tmp_path / "runs", jobs=1)  # so they are trained again
+    assert json.loads((tmp_path / "runs" / "file-seed0" / "summary.json").read_text())["iterations"] == 3
+
+
+def test_each_variant_is_judged_against_the_file_by_the_reports_interval_rule():
+    """A variant far above the file on worst class (3 seeds, small spread) is 'better'; one within the noise is
+    'no clear difference'; one seed is too few for an interval."""
+    rows = [{"label": "file", "worst": [0.10, 0.11, 0.12], "accuracy": [0.50, 0.51, 0.52]},
+            {"label": "far", "worst": [0.30, 0.31, 0.32], "accuracy": [0.50, 0.52, 0.51]},
+            {"label": "near", "worst": [0.09, 0.13, 0.11], "accuracy": [0.40, 0.41, 0.42]},
+            {"label": "one", "worst": [0.2], "accuracy": [0.5]}]
+    lines = levers.against_file(rows)
+    assert lines[2].startswith("- far against the file: worst +0.200 (better, 95% interval [+0.")
+    assert "accuracy +0.000 (no clear difference" in lines[2]
+    assert "- near against the file: worst +0.000 (no clear difference" in lines[3]
+    assert "accuracy -0.100 (worse, 95% interval [" in lines[3]
+    assert "too few seeds for an interval" in lines[4]
+    assert levers.against_file(rows[:1]) == []

@@ -34,7 +34,6 @@ from pathlib import Path
 
 from ..common.atomic import atomic_write_text
 from ..common.config import Config, ConfigError
-from ..common.errors import DpdroError
 
 TAU_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
@@ -89,28 +88,34 @@ def variant_configs(base: dict, variants: list[Variant], seeds: list[int],
     return out
 
 
-def is_current(cfg: Config) -> bool:
-    """Whether ``cfg.out_dir`` holds a finished run (summary.json) of this very configuration: the fingerprint of
-    its config.json equals ``cfg``'s (``sweep.config_fingerprint``), so a run left by an earlier version of the
+def current_runs(cfgs: list[Config]) -> set[str]:
+    """The out-dirs of the runs of ``cfgs`` that finished under their own configuration: a summary.json, and a
+    config.json of the same fingerprint (``sweep.changed_runs``), so a run left by an earlier version of the
     configuration file is trained again, not tabulated under the new one."""
-    from ..server.engine import load_run_config
-    from .sweep import config_fingerprint
+    from .sweep import changed_runs
 
-    if not (Path(cfg.out_dir) / "summary.json").is_file():
-        return False
-    try:
-        return config_fingerprint(load_run_config(cfg.out_dir)) == config_fingerprint(cfg)
-    except DpdroError:
-        return False
+    stale = {run for run, _, _ in changed_runs(cfgs)}
+    return {cfg.out_dir for cfg in cfgs
+            if (Path(cfg.out_dir) / "summary.json").is_file() and str(Path(cfg.out_dir)) not in stale}
+
+
+def planned_runs(config: Path, variants: list[Variant], seeds: list[int],
+                 root: Path) -> tuple[dict, list[Variant], list[tuple[Variant, int, Config]]]:
+    """The configuration file's keys, the table's rows (the file first, then ``variants``) and every run of them
+    (``variant_configs``)."""
+    base = tomllib.loads(config.read_text())
+    rows = [Variant("file", {}), *variants]
+    return base, rows, variant_configs(base, rows, seeds, root)
 
 
 def run_levers(config: Path, variants: list[Variant], seeds: list[int], root: Path, jobs: int) -> None:
-    """Train every (variant, seed) run that has no summary.json yet, ``jobs`` at a time."""
+    """Train every (variant, seed) run without a finished run of its configuration (``current_runs``), ``jobs`` at
+    a time."""
     from .runner import run_many
 
-    base = tomllib.loads(config.read_text())
-    planned = variant_configs(base, [Variant("file", {}), *variants], seeds, root)
-    todo = [cfg for _, _, cfg in planned if not is_current(cfg)]
+    _, _, planned = planned_runs(config, variants, seeds, root)
+    current = current_runs([cfg for _, _, cfg in planned])
+    todo = [cfg for _, _, cfg in planned if cfg.out_dir not in current]
     for out_dir, missing in run_many(todo, jobs, "levers"):
         if missing:
             raise ConfigError(f"{out_dir}: {missing}")
@@ -129,11 +134,11 @@ def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Pa
     seeds), and the best tau of ``TAU_GRID`` by mean worst with its mean worst and accuracy."""
     from .posthoc_tau import scan
 
-    base = tomllib.loads(config.read_text())
-    planned = variant_configs(base, [Variant("file", {}), *variants], seeds, root)
+    base, table, planned = planned_runs(config, variants, seeds, root)
+    current = current_runs([cfg for _, _, cfg in planned])
     rows = []
-    for v in [Variant("file", {}), *variants]:
-        done = [Path(cfg.out_dir) for w, _, cfg in planned if w.label == v.label and is_current(cfg)]
+    for v in table:
+        done = [Path(cfg.out_dir) for w, _, cfg in planned if w is v and cfg.out_dir in current]
         sums = [json.loads((r / "summary.json").read_text()) for r in done]
         row = {"label": v.label, "changes": v.changes, "n": len(done),
                "worst": [s["worst_class_accuracy"] for s in sums], "accuracy": [s["test_accuracy"] for s in sums]}

@@ -36,7 +36,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else 0.0)
 
 
-CONFIDENCE = 0.95  # the level of every interval in the report (issue 49: decisions on 95 % intervals)
+CONFIDENCE = 0.95  # the level of every interval in the report, and of its better/worse decisions
 
 
 def difference_interval(a: list[float], b: list[float], level: float = CONFIDENCE) -> tuple[float, float] | None:

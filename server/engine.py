@@ -34,7 +34,7 @@ from . import setup as setup_releases
 from .callbacks import Callback, TrainingRun, default_callbacks
 from .convergence import rising_note, worst_slope
 from .diagnostics import NoiseMonitor
-from .evaluate import evaluate, node_of_records
+from .evaluate import evaluate, node_of_records, worst_group_words
 from .ledger import Ledger
 from .memory import heap_mb, rss_mb
 from .model_export import prediction_shift
@@ -118,7 +118,7 @@ def evaluation_line(row: dict, split: str = "test") -> str:
     if "test_accuracy_se" in row:  # eval-data=nodes: noisy counts, each figure with its standard error
         return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
             node_evaluation.metrics_text(row)
-    group = f"  worst-group accuracy {row['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in row else ""
+    group = worst_group_words(row).replace(",", " ", 1)
     if "worst_node_accuracy" in row:  # dro-groups=node
         group += (f"  worst-node accuracy {row['worst_node_accuracy']:.4f} (spread "
                   f"{row['node_accuracy_spread']:.4f})")

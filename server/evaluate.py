@@ -29,6 +29,29 @@ def per_group_accuracy(correct: np.ndarray, groups: np.ndarray, num_groups: int)
     return [float(correct[groups == g].mean()) if np.any(groups == g) else float("nan") for g in range(num_groups)]
 
 
+def group_metrics(correct: np.ndarray, groups: np.ndarray, num_groups: int) -> dict:
+    """Group figures from ``correct`` (N,) bool and ``groups`` (N,) ints in [0, num_groups): per_group_accuracy
+    (list, NaN for an empty group), worst_group_accuracy (the minimum), per_group_records (G ints: records per group)
+    and worst_group_records (the records behind the worst group's accuracy, the fewest if groups tie), so that a
+    worst-group figure resting on a handful of records says so (CelebA's blond men: about 8 per split)."""
+    per_group = per_group_accuracy(correct, groups, num_groups)
+    records = [int(np.sum(groups == g)) for g in range(num_groups)]
+    worst = float(np.nanmin(per_group))
+    tied = [records[g] for g in range(num_groups) if per_group[g] == worst]
+    return {"per_group_accuracy": per_group, "worst_group_accuracy": worst, "per_group_records": records,
+            "worst_group_records": min(tied)}
+
+
+def worst_group_words(figures: dict) -> str:
+    """', worst-group accuracy A (N records)' for a summary, metrics row or ``group_metrics`` dict with a worst
+    group, '' without one (the record count is left out for summaries written before it was recorded)."""
+    if "worst_group_accuracy" not in figures:
+        return ""
+    n = figures.get("worst_group_records")
+    records = f" ({n} records)" if n is not None else ""
+    return f", worst-group accuracy {figures['worst_group_accuracy']:.4f}{records}"
+
+
 def node_of_records(data, labels: np.ndarray) -> np.ndarray:
     """Each record's node (N,) int64 in [0, num-clients) under the partition of a Config's ``data`` section
     (common/partition.py: the same seeded split as the training records', applied to these labels). The server
@@ -60,7 +83,8 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives, and
     eval_class_correct / eval_class_total (K ints each: correct predictions and records per class; the noisy
     score of a private search releases them, server/private_tuning.py). With group
-    labels (CelebA) also per_group_accuracy and worst_group_accuracy (the minimum over groups). ``objective``: what
+    labels (CelebA) also ``group_metrics``: per_group_accuracy, worst_group_accuracy (the minimum over groups),
+    per_group_records and worst_group_records. ``objective``: what
     holds the DRO objective's keys psi, cvar_alpha and lambda_ (a Config's ``training`` section).
 
     ``prediction_shift`` (K,), when given, is added to the logits before the argmax (post-hoc logit
@@ -83,8 +107,7 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     dro, _ = dro_objective(loss, make_psi(objective.psi, objective.cvar_alpha), objective.lambda_)
     extra = {}
     if test.groups is not None:
-        per_group = per_group_accuracy(pred == labels, test.groups.numpy(), test.num_groups)
-        extra = {"per_group_accuracy": per_group, "worst_group_accuracy": float(np.nanmin(per_group))}
+        extra = group_metrics(pred == labels, test.groups.numpy(), test.num_groups)
     if node_of is not None:
         extra |= node_metrics(pred == labels, node_of, num_nodes)
     return {**extra, "test_accuracy": float((pred == labels).mean()),

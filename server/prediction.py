@@ -39,7 +39,7 @@ from ..common.config import AUTO, Config, ConfigError, keys_with_role
 from ..common.data import DATASETS, ArrayDataset, DataError, load_from_config
 from ..common.scattering import compute_features
 from .engine import load_run_config
-from .evaluate import per_class_accuracy, per_group_accuracy
+from .evaluate import group_metrics, per_class_accuracy
 from .model_files import ModelSpec, load_model, predict_classes, predict_logits
 from .run_report import confusion_matrix, plot_confusion
 from .rundir import RunDir, read_json
@@ -256,7 +256,8 @@ def write_predictions_csv(p: Predictions, path: Path) -> None:
 def metrics(p: Predictions) -> dict:
     """accuracy, per_class_accuracy (NaN for an absent class), worst_class_accuracy, worst_class (index),
     confusion (K, K) counts, records, privacy (``p.privacy``: NOT_PRIVATE for the private splits); with groups
-    also per_group_accuracy and worst_group_accuracy."""
+    also ``evaluate.group_metrics``: per_group_accuracy, worst_group_accuracy, per_group_records and
+    worst_group_records."""
     if p.labels is None:
         raise DataError("evaluation needs labels and these records have none (a CSV file without the label "
                         "column, config key csv-label, or a folder of images without class sub-folders): use "
@@ -268,8 +269,7 @@ def metrics(p: Predictions) -> dict:
            "worst_class": int(np.nanargmin(per_class)), "confusion": confusion_matrix(p.labels, p.predicted, k),
            "privacy": p.privacy}
     if p.groups is not None:
-        per_group = per_group_accuracy(p.predicted == p.labels, p.groups, p.num_groups)
-        out |= {"per_group_accuracy": per_group, "worst_group_accuracy": float(np.nanmin(per_group))}
+        out |= group_metrics(p.predicted == p.labels, p.groups, p.num_groups)
     return out
 
 

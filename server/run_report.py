@@ -235,6 +235,8 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
     """MODEL_CARD.md text of a finished run from its summary.json dict and model.json dict; ``minority`` as
     ``minority_classes`` gives it. Every path in it is relative to the run folder (the card's own), so a copied
     or shared run folder keeps a correct card."""
+    from .evaluate import worst_group_words
+
     per_class = summary["per_class_accuracy"]
     classes = model["classes"]
     private = summary["private"]
@@ -294,8 +296,7 @@ def model_card(summary: dict, model: dict, plots: list[str], minority: tuple[lis
     lines += ["- Not accounted:"] + [f"  - {item}" for item in summary["not_accounted"]]
     lines += ["", f"## Results on the {split} split", "",
               f"- Accuracy {summary['test_accuracy']:.4f}, worst-class accuracy {summary['worst_class_accuracy']:.4f}"
-              + (f", worst-group accuracy {summary['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in summary
-                 else ""),
+              + worst_group_words(summary),
               *([f"- Evaluated on the nodes' held-out records (eval-data=nodes): figures from noisy per-class counts "
                  f"charged to the run's epsilon; standard errors: accuracy {summary['test_accuracy_se']:.4f}, "
                  f"worst-class accuracy {summary['worst_class_accuracy_se']:.4f}"]

@@ -50,7 +50,8 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         "eval_split": cfg.eval_split,
         "test_accuracy": final["test_accuracy"], "worst_class_accuracy": final["worst_class_accuracy"],
         "per_class_accuracy": final["per_class_accuracy"], "eval_loss": final["eval_loss"],
-        **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in final},
+        **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy", "worst_group_records",
+                                  "per_group_records") if k in final},
         # dro-groups=node: the model on each node's part of the server's split (server/evaluate.node_metrics)
         **{k: final[k] for k in ("worst_node_accuracy", "node_accuracy_spread", "per_node_accuracy") if k in final},
         # eval-data=nodes: where the figures come from and their standard errors (server/node_evaluation.py)

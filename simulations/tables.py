@@ -97,6 +97,23 @@ def _cell(rs: list[dict], key: str) -> str:
     return f"{m:.3f} +/- {s:.3f}{legacy_mark(rs)}"
 
 
+def worst_records_line(groups: dict, dataset: str, epsilons, methods) -> str:
+    """On data with groups, the test records behind each run's worst-group accuracy (summary.json
+    worst_group_records, results.csv worst_records), per method and epsilon, so that a figure resting on a handful
+    of records reads as coarse; '' when no row records them (runs made before the count was recorded)."""
+    parts = []
+    for a in methods:
+        for e in epsilons:
+            counts = [str(r["worst_records"]) for r in groups.get((dataset, a, e), []) if r.get("worst_records") != ""
+                      and r.get("worst_records") is not None]
+            if counts:
+                parts.append(f"{a} eps {e:g}: {', '.join(counts)}")
+    if not parts:
+        return ""
+    return ("Test records behind the worst group, per run (runs made since summary.json records them; a worst "
+            "group of n records moves in steps of 1/n): " + "; ".join(parts) + ".")
+
+
 def comparison_lines(groups: dict, dataset: str, epsilons, methods) -> list[str]:
     """For each epsilon: the strongest simple baseline, and each DP-DRO method's difference to it in mean
     worst accuracy, with the verdict 'better' / 'worse' only where the 95 % interval of the difference excludes 0
@@ -304,6 +321,17 @@ def _accountants(rows: list[dict]) -> str:
     return " and ".join(sorted({str(r.get("accountant", "rdp")).upper() for r in rows})) or "PLD"
 
 
+def _seed_words(profile) -> str:
+    """The seeds of the protocol in words, the decisive cells' extra seeds named."""
+    base = ", ".join(str(s) for s in profile.seeds)
+    if not profile.decisive_seeds:
+        return base
+    cells = "; ".join(f"{ds} epsilon {e:g}: {', '.join(algos)}" for (ds, e), algos in profile.decisive.items())
+    more = ", ".join(str(s) for s in profile.decisive_seeds)
+    return (f"{base}, and also {more} in the cells that decide a table ({cells}; the best paper method and the "
+            "best other method of the 3-seed tables)")
+
+
 def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plots: list[Path]) -> Path:
     """docs/research/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -324,9 +352,9 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "used to "
              "choose anything. The selected configuration of each method (`simulations/configs/tuned/`) was then "
              "trained on the whole training split at epsilon 1, 4 and 8 (the epsilon 4 hyper-parameters are reused "
-             "at 1 and 8) with seeds 0, 1, 2 and evaluated on the test split; cells are mean +/- standard "
-             f"deviation over the seeds, {delta_words(rows)}, accountant {_accountants(rows)}, 4 clients, every run "
-             "from scratch (no "
+             f"at 1 and 8) with seeds {_seed_words(profile)} and evaluated on the test split; cells are mean +/- "
+             f"standard deviation over the seeds, {delta_words(rows)}, accountant {_accountants(rows)}, 4 clients, "
+             "every run from scratch (no "
              "pre-training). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, CIFAR10-ST) or "
              "the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). An empty cell is a run not "
              "made yet (`dpdro lab sweep --profile tuned --jobs 2` runs exactly the missing ones); '(n=k)' after a "
@@ -367,10 +395,12 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
             for e in eps_cols:
                 rs = groups.get((ds, a, e))
                 # a cell with fewer seeds than the profile's says how many it has
-                few = f" (n={len(rs)})" if rs and len(rs) < len(profile.seeds) else ""
+                few = f" (n={len(rs)})" if rs and len(rs) < len(profile.seeds_of(ds, a, e)) else ""
                 cells += [_cell(rs, "test_accuracy") + few, _cell(rs, "worst_accuracy") + few] if rs else ["", ""]
             n = max(len(groups.get((ds, a, e), [])) for e in eps_cols)
             lines.append(f"| {a} (n={n}) | " + " | ".join(cells) + " |")
+        records = worst_records_line(groups, ds, eps_cols, have)
+        lines += ["", records] if records else []
         lines += ["", "DP-DRO against the strongest simple baseline (same tuning effort):", ""]
         lines += comparison_lines(groups, ds, eps_cols, have) + [""]
         versus = paper_lines(groups, ds, eps_cols)

@@ -16,7 +16,7 @@ from dpdro.common.data import (
     load_dataset,
     stratified_split,
 )
-from dpdro.server.evaluate import per_group_accuracy
+from dpdro.server.evaluate import group_metrics, per_group_accuracy, worst_group_words
 
 
 def write_cifar_fixture(root, monkeypatch, per_batch=40, seed=0):
@@ -106,6 +106,17 @@ def test_worst_group_accuracy_on_hand_made_example():
     acc = per_group_accuracy(correct, groups, 4)
     assert acc == pytest.approx([2 / 3, 0.5, 0.0, 1.0])
     assert min(acc) == 0.0
+
+
+def test_group_metrics_name_the_records_behind_the_worst_group():
+    correct = np.array([1, 1, 0, 1, 0, 0, 1, 1, 0, 0], dtype=bool)
+    groups = np.array([0, 0, 0, 1, 1, 2, 3, 3, 4, 4])
+    m = group_metrics(correct, groups, 6)  # group 5 is empty: NaN, not the worst
+    assert m["per_group_records"] == [3, 2, 1, 2, 2, 0] and m["worst_group_accuracy"] == 0.0
+    assert m["worst_group_records"] == 1  # groups 2 (1 record) and 4 (2 records) tie at 0: the fewer
+    assert worst_group_words(m) == ", worst-group accuracy 0.0000 (1 records)"
+    assert worst_group_words({"worst_group_accuracy": 0.5}) == ", worst-group accuracy 0.5000"  # older summaries
+    assert worst_group_words({"test_accuracy": 0.5}) == ""
 
 
 @pytest.mark.data

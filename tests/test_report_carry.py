@@ -305,3 +305,59 @@ def test_a_statement_key_never_changes_the_fingerprint():
     assert marked.chosen_on_private == ("hyper-parameters", "posthoc-tau")
     assert sweep.config_fingerprint(marked) == sweep.config_fingerprint(base)
     assert sweep.config_fingerprint(marked, legacy=True) == sweep.config_fingerprint(base, legacy=True)
+
+
+def test_decisive_cells_plan_more_seeds_and_the_table_counts_them(tmp_path, monkeypatch):
+    """A decisive cell (the methods that decide a table) plans profile.seeds + decisive_seeds, the other cells
+    profile.seeds; a decisive cell with only its first seeds finished says its own n in the table."""
+    decisive = sweep.Profile("tuned", ("mnist-st",), ("dp-sgd", "dp-sgd-la"), (1.0, 4.0), (0, 1),
+                             base={"eval-every": 100}, tuned_at=4.0,
+                             decisive={("mnist-st", 4.0): ("dp-sgd-la",)}, decisive_seeds=(1, 2, 3))
+    monkeypatch.setitem(sweep.PROFILES, "tuned", decisive)  # the tuned profile's report marks a cell's own n
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    planned = sweep.plan_runs(decisive, root, tuned_folder=_tuned(configs))
+    seeds: dict[tuple, list[int]] = {}
+    for c in planned:
+        seeds.setdefault((c.algorithm, c.epsilon), []).append(c.seed)
+    assert seeds == {("dp-sgd", 1.0): [0, 1], ("dp-sgd", 4.0): [0, 1], ("dp-sgd-la", 1.0): [0, 1],
+                     ("dp-sgd-la", 4.0): [0, 1, 2, 3]}
+    for cfg in planned:
+        if cfg.seed < 2:
+            _finish(cfg, 0.6)
+    sweep.write_report(root, "tuned", docs, configs)
+    text = (docs / "RESULTS.md").read_text()
+    assert "and also 1, 2, 3 in the cells that decide a table (mnist-st epsilon 4: dp-sgd-la;" in text
+    row = next(line for line in text.splitlines() if line.startswith("| dp-sgd-la"))
+    # the label, then eps 4's two cells (2 of its 4 seeds); eps 1 has all of its 2 and says nothing
+    assert row.startswith("| dp-sgd-la (n=2) | 0.600 +/- 0.000 | 0.300 +/- 0.000 | 0.600 +/- 0.000 (n=2) |")
+    assert next(line for line in text.splitlines() if line.startswith("| dp-sgd (")).count("(n=2)") == 1
+
+
+def test_a_report_writes_rows_of_older_csvs_beside_rows_with_newer_columns(tmp_path, profile):
+    """Carried rows from a CSV written before a column existed (worst_records) and new rows with it share one
+    CSV: the column is the union, empty where a row has no value; a run's worst-group records are reported."""
+    root, docs, configs = tmp_path / "runs", tmp_path / "docs", tmp_path / "configs"
+    planned = sweep.plan_runs(profile, root, tuned_folder=_tuned(configs))
+    for cfg in planned:
+        _finish(cfg, 0.5)
+    sweep.write_report(root, "carry", docs, configs)
+    summary = Path(planned[0].out_dir) / "summary.json"
+    for cfg in planned[1:]:
+        for f in Path(cfg.out_dir).iterdir():
+            f.unlink()
+    s = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**s, "worst_group_accuracy": 0.25, "worst_group_records": 8}))
+    sweep.write_report(root, "carry", docs, configs)
+    rows = _rows(docs)
+    assert rows[("dp-sgd", 0)]["worst_records"] == "8" and rows[("dp-sgd", 0)]["source"] == "run"
+    assert rows[("dp-sgd-la", 1)]["worst_records"] == "" and rows[("dp-sgd-la", 1)]["source"] == "carried"
+
+
+def test_the_worst_group_record_line_lists_each_run_that_records_its_count():
+    from dpdro.simulations.tables import worst_records_line
+
+    groups = {("celeba", "dp-sgd-la", 4.0): [{"worst_records": 8}, {"worst_records": 9}, {"worst_records": ""}],
+              ("celeba", "dp-sgd", 4.0): [{"worst_records": ""}]}
+    line = worst_records_line(groups, "celeba", (4.0,), ["dp-sgd", "dp-sgd-la"])
+    assert "dp-sgd-la eps 4: 8, 9." in line and "dp-sgd eps" not in line
+    assert worst_records_line(groups, "celeba", (1.0,), ["dp-sgd-la"]) == ""

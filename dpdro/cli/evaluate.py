@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if len(args.run) > 1:
         raise ConfigError(f"--run: got {len(args.run)} run directories; allowed: one, or several with several "
                           "--posthoc-tau values (to choose one tau for them all)")
+    from dpdro.server.evaluate import worst_group_words
     from dpdro.server.prediction import NOT_PRIVATE, metrics, predict, write_confusion_png
 
     run_dir = args.run[0]
@@ -61,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
             "accuracy": m["accuracy"], "worst_class_accuracy": m["worst_class_accuracy"],
             "worst_class": classes[m["worst_class"]],
             "per_class_accuracy": dict(zip(classes, m["per_class_accuracy"], strict=True)),
-            **{k: m[k] for k in ("worst_group_accuracy", "per_group_accuracy") if k in m},
+            **{k: m[k] for k in ("worst_group_accuracy", "per_group_accuracy", "worst_group_records",
+                                 "per_group_records") if k in m},
             "confusion": m["confusion"], "confusion_matrix_png": png, "privacy": m["privacy"]})
         return 0
     tau = f" (post-hoc tau {p.spec.posthoc_tau:g})" if taus else ""
     private = f"; {NOT_PRIVATE}" if m["privacy"] == NOT_PRIVATE else ""
     print(f"data {args.data}{tau}: {m['records']} records, accuracy {m['accuracy']:.4f}, worst-class accuracy "
           f"{m['worst_class_accuracy']:.4f} (class {classes[m['worst_class']]})"
-          + (f", worst-group accuracy {m['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in m else "")
+          + worst_group_words(m)
           + private)
     print("per-class accuracy: " + ", ".join(f"{c} {a:.4f}" for c, a in zip(classes, m["per_class_accuracy"],
                                                                            strict=True)))

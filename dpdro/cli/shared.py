@@ -95,6 +95,7 @@ def print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
     """The done line: results, and the command's wall time (from the start of main(), data loading and Flower
     start-up included) beside the training loop's (summary.json wall_seconds; over all sessions of a resumed
     run)."""
+    from dpdro.server.evaluate import worst_group_words
     eps = s["epsilon_spent"]
     seeded = str(s.get("trust_model", "")).startswith(SEEDED_NOT_PRIVATE)  # reproducible-for-testing
     private = "" if s["private"] else f"  ({SEEDED_NOT_PRIVATE.upper() if seeded else 'NOT PRIVATE: epsilon=inf'})"
@@ -102,7 +103,7 @@ def print_summary(s: dict, out_dir: str, resumed: bool = False) -> None:
     split = s.get("eval_split", "test")
     print(f"done: {s['algorithm']} on {s['dataset']}: {split} accuracy {s['test_accuracy']:.4f}, worst-class "
           f"accuracy {s['worst_class_accuracy']:.4f}"
-          + (f", worst-group accuracy {s['worst_group_accuracy']:.4f}" if "worst_group_accuracy" in s else "")
+          + worst_group_words(s)
           + f", epsilon {eps if isinstance(eps, str) else round(eps, 4)} "
           f"at delta {s['delta']:.3g}, {time.perf_counter() - _started[0]:.1f} s ({loop}){private}\n"
           f"run directory: {out_dir}")

@@ -1,0 +1,210 @@
+"""dpdro's node-level runs beside Flower's own DP-FedAvg on the same nodes, partition, model and epsilon: the table
+of docs/research/NODES.md ("Node-level privacy against Flower's DP-FedAvg"). A benchmark script, not a test.
+
+  python -m dpdro.simulations.dp_fedavg --out runs/dp-fedavg [--nodes 1000] [--sampled 30] [--rounds 100]
+
+Rows (all at node-level epsilon ``--epsilon`` and delta 1/(10 m) for m nodes, one seed):
+
+- ``dpdro dp-sgd``: ``privacy-unit = node``, ``node-sampling-rate = sampled / nodes``: each sampled node sends its
+  mean gradient clipped to C, Gaussian noise on the sum (ALGORITHMS.md 5.9), in-process transport (equal to the
+  Flower simulation, tests/test_node_sampling.py); the noise multiplier z is calibrated by dpdro's ledger.
+- ``dpdro recursive-spider, dro-groups = node``: the same with the nodes as the DRO groups (ALGORITHMS.md 3.3).
+- ``Flower DP-FedAvg``: Flower's ``FedAvg`` wrapped in ``DifferentialPrivacyServerSideFixedClipping``
+  (``simulations/dpfedavg_app``) on Flower's simulation engine with one SuperNode per node: each round ``sampled``
+  nodes drawn uniformly without replacement, each runs ``--fedavg-epochs`` local epochs of SGD from the global model,
+  the server clips each update to ``--fedavg-clip`` and adds noise z x clip / sampled to their mean, with the same z
+  as dpdro's row, so both spend the same releases at the same noise. Flower's wrapper reports no epsilon with
+  amplification (its accountant refuses any sampling method but 'no-amplification'); this script charges it in
+  dpdro's ledger as Poisson node sampling at rate sampled / nodes, the customary approximation for a fixed-size
+  sample (McMahan et al. 2018 analyse Poisson sampling; a fixed-size sample is not Poisson sampling, so the anchor's
+  epsilon is approximate), and prints beside it what the same releases cost without amplification.
+
+Every model is evaluated here, alike: accuracy and worst-class accuracy on the test split and, per node, on node j's
+part of the test split under the same seeded Dirichlet partition (``server.evaluate.node_of_records``): the worst
+node's accuracy and the spread. Runs resume: a finished row is read back, not rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+APP = Path(__file__).resolve().parent / "dpfedavg_app"
+_SHARDS: dict = {}
+
+
+def anchor_config(run_config):
+    """The dpdro Config the anchor app's ServerApp and ClientApps share (run config key ``dpdro-config``, JSON)."""
+    from ..common.config import Config
+
+    return Config.from_mapping(json.loads(str(run_config["dpdro-config"])))
+
+
+def flat_model(cfg, num_classes: int, input_shape: tuple[int, ...]):
+    """The FlatModel of ``cfg``'s model as a dpdro run builds it (``make_model`` seeded by the config's seed)."""
+    import torch
+
+    from ..common.models import make_model, resolve_model
+    from ..common.per_sample import FlatModel
+
+    return FlatModel(make_model(resolve_model(cfg.model, cfg.dataset), num_classes, cfg.seed, torch.float32,
+                                input_shape, cfg.model_fix))
+
+
+def node_shard(cfg, partition_id: int):
+    """(x, y, model) of node ``partition_id`` for the anchor app: its records of the training split under dpdro's
+    own ``make_partition`` (node k holds what node k holds in a dpdro run) and the model; cached per process (a
+    ClientApp worker serves many nodes)."""
+    import torch
+
+    from ..common.data import load_from_config
+    from ..common.partition import make_partition
+
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    if key not in _SHARDS:
+        train = load_from_config(cfg, True)
+        _SHARDS.clear()
+        _SHARDS[key] = (train, make_partition(cfg.data, train.y.numpy()),
+                        flat_model(cfg, train.num_classes, tuple(train.x.shape[1:])))
+    train, parts, model = _SHARDS[key]
+    idx = torch.as_tensor(parts[partition_id])
+    return train.x[idx].float(), train.y[idx], model
+
+
+def base_keys(a: argparse.Namespace) -> dict:
+    """The keys every row shares: data, partition, privacy unit and sampling, rounds, epsilon."""
+    return {"dataset": "mnist-st", "num-clients": a.nodes, "partition": "dirichlet", "dirichlet-alpha": a.alpha,
+            "privacy-unit": "node", "node-sampling-rate": a.sampled / a.nodes, "iterations": a.rounds,
+            "eval-every": a.rounds, "epsilon": a.epsilon, "seed": a.seed, "threads": 1, "eval-data": "server",
+            "reproducible": False}
+
+
+def figures(cfg, flat: np.ndarray) -> dict:
+    """Test accuracy, worst-class accuracy, worst-node accuracy, node spread, per-node accuracy and its 10th
+    percentile over the nodes with test records (with about 10 test records per node at 1,000 nodes the minimum is
+    often 0) of ``flat`` under ``cfg``'s model and partition (no post-hoc shift: every row alike)."""
+    from ..common.data import load_from_config
+    from ..server.evaluate import evaluate, node_of_records
+
+    test = load_from_config(cfg, "test")
+    model = flat_model(cfg, test.num_classes, tuple(test.x.shape[1:]))
+    m = evaluate(model, flat, test, cfg.training, node_of=node_of_records(cfg.data, test.y.numpy()),
+                 num_nodes=cfg.num_clients)
+    per_node = np.asarray(m["per_node_accuracy"], dtype=float)
+    return {**{k: m[k] for k in ("test_accuracy", "worst_class_accuracy", "worst_node_accuracy",
+                                 "node_accuracy_spread", "per_node_accuracy")},
+            "node_accuracy_p10": float(np.nanpercentile(per_node, 10))}
+
+
+def dpdro_row(name: str, keys: dict, out: Path) -> dict:
+    """Train one dpdro row single-node (``launch.local.train_local``; a finished row is read back) and evaluate
+    it."""
+    from ..common.config import Config
+    from ..launch.local import train_local
+
+    run = out / name
+    done = run / "row.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    cfg = Config.from_mapping({**keys, "out-dir": str(run), "overwrite": True})
+    start = time.perf_counter()
+    s = train_local(cfg).summary
+    row = {"row": name, "epsilon": float(s["epsilon_spent"]), "delta": float(s["delta"]),
+           # the gradient release's z: dp-sgd's 'grad', the paper methods' 'x-refresh'
+           "noise_multiplier": float(s["noise_multipliers"].get("grad", s["noise_multipliers"].get("x-refresh"))),
+           "seconds": time.perf_counter() - start,
+           **figures(cfg, np.load(run / "final_params.npy"))}
+    done.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def fedavg_row(a: argparse.Namespace, z: float, out: Path) -> dict:
+    """Run Flower's DP-FedAvg app at noise multiplier ``z`` on ``a.nodes`` simulated SuperNodes, evaluate it and
+    charge its releases in dpdro's ledger (module docstring)."""
+    from ..common.config import Config, toml_value
+    from ..launch.simulate import run_app
+    from ..server.ledger import auto_delta, epsilon_of
+
+    run = out / "flower-dp-fedavg"
+    done = run / "row.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    run.mkdir(parents=True, exist_ok=True)
+    cfg = Config.from_mapping({**base_keys(a), "out-dir": str(run)})
+    weights = run / "final_params.npy"
+
+    settings = {"dpdro-config": json.dumps(cfg.to_dict(), default=str), "num-rounds": a.rounds,
+                "sampled": a.sampled, "noise-multiplier": z, "clip": a.fedavg_clip, "lr": a.fedavg_lr,
+                "local-epochs": a.fedavg_epochs, "batch": a.fedavg_batch, "out-file": str(weights)}
+    start = time.perf_counter()
+    run_app(APP, " ".join(f"{k}={toml_value(v)}" for k, v in settings.items()), a.nodes,
+            check=lambda: weights.exists() or f"wrote no {weights}")
+    delta = auto_delta(a.nodes)
+    rate = a.sampled / a.nodes
+    row = {"row": "Flower DP-FedAvg", "epsilon": epsilon_of({(rate, z): a.rounds}, delta, "pld"),
+           "epsilon_without_amplification": epsilon_of({(1.0, z): a.rounds}, delta, "pld"), "delta": delta,
+           "noise_multiplier": z, "seconds": time.perf_counter() - start,
+           "round_seconds_median": float(np.median(json.loads(Path(str(weights) + ".json").read_text())
+                                                   ["round_seconds"] or [0.0])),
+           **figures(cfg, np.load(weights))}
+    done.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| row | epsilon (dpdro's ledger) | noise multiplier | accuracy | worst class | worst node | "
+             "10th-percentile node | node spread | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['epsilon']:.3f} | {r['noise_multiplier']:.3f} | {r['test_accuracy']:.4f} | "
+                     f"{r['worst_class_accuracy']:.4f} | {r['worst_node_accuracy']:.4f} | "
+                     f"{r['node_accuracy_p10']:.4f} | "
+                     f"{r['node_accuracy_spread']:.4f} | {r['seconds']:.0f} |")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.dp_fedavg", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/dp-fedavg")
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--sampled", type=int, default=30, help="nodes per round (dpdro: expected, Poisson)")
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--epsilon", type=float, default=4.0)
+    p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label skew")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dpdro-lr", type=float, default=1.0, help="dpdro's lr-x")
+    p.add_argument("--dpdro-clip", type=float, default=1.0, help="dpdro's clip-x (of a node's mean gradient)")
+    p.add_argument("--dpdro-momentum", type=float, default=0.9, help="dpdro's momentum (post-processing)")
+    p.add_argument("--fedavg-lr", type=float, default=0.05, help="local SGD step of the FedAvg nodes")
+    p.add_argument("--fedavg-epochs", type=int, default=1)
+    p.add_argument("--fedavg-batch", type=int, default=16)
+    p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
+    a = p.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    if not 2 <= a.sampled <= a.nodes:
+        print(f"--sampled must be in [2, --nodes = {a.nodes}]; got {a.sampled}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = base_keys(a)
+    rows = [dpdro_row("dpdro dp-sgd", {**keys, "algorithm": "dp-sgd", "lr-x": a.dpdro_lr,
+                                       "clip-x": a.dpdro_clip, "momentum": a.dpdro_momentum}, out)]
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
+    rows.append(dpdro_row("dpdro recursive-spider, dro-groups = node",
+                          {**keys, "algorithm": "recursive-spider", "dro-level": "group", "dro-groups": "node",
+                           "lr-x": a.dpdro_lr, "clip-x": a.dpdro_clip, "momentum": a.dpdro_momentum}, out))
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
+    rows.append(fedavg_row(a, rows[0]["noise_multiplier"], out))
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
+    print("\n".join(table(rows)))
+    (out / "table.md").write_text("\n".join(table(rows)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -154,10 +154,12 @@ def measure(nodes: int, iterations: int, out: Path) -> dict:
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown lines: one row per fleet size, then the ratio of the largest fleet's round to the 30-node one."""
-    lines = ["| nodes | p | start-up (s) | seconds per round | ServerApp RSS (MiB) | peak RSS, all processes (MiB) | "
-             "ledger (s) | epsilon | load average |", "|---|---|---|---|---|---|---|---|---|"]
+    columns = ["nodes", "p", "nodes asked per round (expected)", "start-up (s)", "seconds per round",
+               "ServerApp RSS (MiB)", "peak RSS, all processes (MiB)", "ledger (s)", "epsilon", "load average"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append(f"| {r['nodes']:,} | {r['node_sampling_rate']:g} | {r['startup_seconds']:.1f} | "
+        lines.append(f"| {r['nodes']:,} | {r['node_sampling_rate']:g} | {r['nodes'] * r['node_sampling_rate']:g} | "
+                     f"{r['startup_seconds']:.1f} | "
                      f"{r['seconds_per_round']:.3f} | {r['server_rss_mb']:.0f} | {r['peak_tree_rss_mb']:.0f} | "
                      f"{r['ledger_seconds']:.3f} | {r['epsilon_spent']:.3f} | {r['load_average']:.1f} |")
     by = {r["nodes"]: r for r in rows}
@@ -174,7 +176,8 @@ def growth(rows: list[dict]) -> list[str]:
     sampled = sorted((r for r in rows if r["node_sampling_rate"] < 1), key=lambda r: r["nodes"])
     for a, b in zip(sampled, sampled[1:], strict=False):
         k = b["nodes"] / a["nodes"]
-        out.append(f"- {a['nodes']:,} to {b['nodes']:,} nodes ({k:.1f}x): start-up "
+        asked = (b["nodes"] * b["node_sampling_rate"]) / (a["nodes"] * a["node_sampling_rate"])
+        out.append(f"- {a['nodes']:,} to {b['nodes']:,} nodes ({k:.1f}x; nodes asked per round {asked:.1f}x): start-up "
                    f"{b['startup_seconds'] / a['startup_seconds']:.2f}x, seconds per round "
                    f"{b['seconds_per_round'] / a['seconds_per_round']:.2f}x, peak memory of all processes "
                    f"{b['peak_tree_rss_mb'] / a['peak_tree_rss_mb']:.2f}x, ServerApp memory "
@@ -196,7 +199,8 @@ def document(rows: list[dict], command: str) -> str:
              f"every node), about {EXPECTED_RECORDS} records per round on every row, record-level epsilon 4; the "
              "rows ran one after another on a machine shared with other jobs (the load average of each row is in "
              "the table), so absolute times carry that load. `simulations/node_scale.py` says how each column is "
-             "measured.", "", *table(rows), "", "How each cost grows with the fleet (node-sampled rows):", "",
+             "measured.", "", *table(rows)[:len(rows) + 2], "",
+             "How each cost grows with the fleet (node-sampled rows):", "",
              *growth(rows), ""]
     if 30 in by and len(by) > 1:
         big = max(by)

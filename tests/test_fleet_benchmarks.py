@@ -40,7 +40,7 @@ def test_the_scale_table_prints_each_row_and_the_largest_fleet_against_30_nodes(
                 "load_average": 2.0}
 
     lines = node_scale.table([row(30, 1.0, 2.0), row(1000, 0.03, 2.5)])
-    assert lines[2].startswith("| 30 | 1 | 60.0 | 2.000 |") and lines[3].startswith("| 1,000 | 0.03 |")
+    assert lines[2].startswith("| 30 | 1 | 30 | 60.0 | 2.000 |") and lines[3].startswith("| 1,000 | 0.03 | 30 |")
     assert lines[-1] == "Round time, 1,000 nodes at p = 0.03 against 30 nodes all asked: 1.25x."
 
 
@@ -88,8 +88,8 @@ def test_the_fleet_document_reports_growth_and_the_goal_from_the_rows():
 
     rows = [row(30, 1.0, 60.0, 2.0, 3000.0), row(100, 0.03, 60.0, 1.0, 3000.0), row(1000, 0.03, 600.0, 4.0, 6000.0)]
     text = node_scale.document(rows, "python -m dpdro.simulations.node_scale")
-    assert ("- 100 to 1,000 nodes (10.0x): start-up 10.00x, seconds per round 4.00x, peak memory of all processes "
-            "2.00x, ServerApp memory 1.00x.") in text
+    assert ("- 100 to 1,000 nodes (10.0x; nodes asked per round 10.0x): start-up 10.00x, seconds per round 4.00x, "
+            "peak memory of all processes 2.00x, ServerApp memory 1.00x.") in text
     assert "at most 1.5 times a round with 30 nodes all sampled: 2.00x, **not met**." in text
     rows[2]["seconds_per_round"] = 2.5
     assert "1.25x, **met**." in node_scale.document(rows, "x")

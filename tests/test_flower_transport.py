@@ -190,3 +190,46 @@ def test_hello_of_a_node_whose_data_folder_is_missing_names_its_partition(tmp_pa
     answer = dict(reply.content["hello"])
     assert answer["partition"] == 2 and "num-records" not in answer
     assert answer["error"].startswith("DataError: ") and str(gone) in answer["error"], answer
+
+
+class FleetGrid:
+    """A grid of ``n`` nodes answering 'hello' at once, counting the messages stored but not yet answered and
+    pulled: what Flower's simulation engine scans for every node it serves."""
+
+    def __init__(self, n: int):
+        self.n, self.stored, self.most_stored = n, {}, 0
+
+    def get_node_ids(self):
+        return list(range(100, 100 + self.n))
+
+    def push_messages(self, msgs):
+        ids = [f"m{id(m)}" for m in msgs]
+        self.stored.update(zip(ids, msgs, strict=True))
+        self.most_stored = max(self.most_stored, len(self.stored))
+        return ids
+
+    def pull_messages(self, ids):
+        out = []
+        for mid in ids:
+            m = self.stored.pop(mid)
+            pid = m.metadata.dst_node_id - 100
+            reply = Message(RecordDict({"hello": ConfigRecord({"partition": pid, "num-records": 3})}),
+                            dst_node_id=m.metadata.dst_node_id, message_type=m.metadata.message_type)
+            reply.metadata.__dict__["_reply_to_message_id"] = mid
+            out.append(reply)
+        return out
+
+
+def test_a_fleets_hello_keeps_at_most_a_window_of_messages_stored(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from dpdro.server.flower.transport import HELLO_WINDOW, FlowerTransport
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    grid = FleetGrid(3 * HELLO_WINDOW + 5)
+    transport = FlowerTransport(grid, grid.n, timeout=30.0)
+    assert transport.sizes == {pid: 3 for pid in range(grid.n)} and transport.num_records == 3 * grid.n
+    assert transport.node_of == {pid: 100 + pid for pid in range(grid.n)}
+    assert grid.most_stored == HELLO_WINDOW  # never the whole fleet at once

@@ -367,6 +367,9 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "64x64, all from CelebA's official training partition) with our seeded split stratified by the 4 "
              "cells, 80/10/10 (split-seed 0): about 8 blond men in each of validation and test, so its worst-group "
              "figures are coarse, and not comparable with published full-CelebA results.", ""]
+    lines += ["Fleets: node-level privacy against Flower's own DP-FedAvg wrapper on 1,000 simulated nodes, and the "
+              "worst-off node: [NODES.md](NODES.md); round time, start-up and memory from 30 to 1,000 nodes: "
+              "[FLEETS.md](FLEETS.md).", ""]
     lines += goal_lines(groups, best_method_of(configs)) + [""] + paper_goal_lines(groups) + [""]
     for ds in profile.datasets:
         have = [a for a in profile.algorithms if any((ds, a, e) in groups for e in eps_cols)]

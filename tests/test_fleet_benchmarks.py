@@ -93,3 +93,14 @@ def test_the_fleet_document_reports_growth_and_the_goal_from_the_rows():
     assert "at most 1.5 times a round with 30 nodes all sampled: 2.00x, **not met**." in text
     rows[2]["seconds_per_round"] = 2.5
     assert "1.25x, **met**." in node_scale.document(rows, "x")
+
+
+def test_the_fleet_document_compares_start_up_with_earlier_rows():
+    def row(n, startup):
+        return {"nodes": n, "node_sampling_rate": 0.03, "startup_seconds": startup, "seconds_per_round": 1.0,
+                "server_rss_mb": 1000.0, "peak_tree_rss_mb": 3000.0, "ledger_seconds": 0.3, "epsilon_spent": 4.0,
+                "load_average": 2.0}
+
+    text = node_scale.document([row(300, 200.0), row(1000, 700.0)], "x", before=[row(1000, 1500.0), row(50, 9.0)])
+    assert "start-up (s): 1,000 nodes 1500.0 (now 700.0)." in text and "50 nodes" not in text
+    assert "Before the hello window" not in node_scale.document([row(300, 200.0)], "x")

@@ -124,30 +124,31 @@ def dpdro_row(name: str, keys: dict, out: Path) -> dict:
     return row
 
 
-def fedavg_row(a: argparse.Namespace, z: float, out: Path) -> dict:
+def fedavg_row(a: argparse.Namespace, z: float, lr: float, out: Path) -> dict:
     """Run Flower's DP-FedAvg app at noise multiplier ``z`` on ``a.nodes`` simulated SuperNodes, evaluate it and
     charge its releases in dpdro's ledger (module docstring)."""
     from ..common.config import Config, toml_value
     from ..launch.simulate import run_app
     from ..server.ledger import auto_delta, epsilon_of
 
-    run = out / "flower-dp-fedavg"
+    name = f"Flower DP-FedAvg (local lr {lr:g})"
+    run = out / name
     done = run / "row.json"
     if done.exists():
         return json.loads(done.read_text())
     run.mkdir(parents=True, exist_ok=True)
     cfg = Config.from_mapping({**base_keys(a), "out-dir": str(run)})
-    weights = run / "final_params.npy"
+    weights = (run / "final_params.npy").resolve()  # the ServerApp runs in another directory
 
     settings = {"dpdro-config": json.dumps(cfg.to_dict(), default=str), "num-rounds": a.rounds,
-                "sampled": a.sampled, "noise-multiplier": z, "clip": a.fedavg_clip, "lr": a.fedavg_lr,
+                "sampled": a.sampled, "noise-multiplier": z, "clip": a.fedavg_clip, "lr": lr,
                 "local-epochs": a.fedavg_epochs, "batch": a.fedavg_batch, "out-file": str(weights)}
     start = time.perf_counter()
     run_app(APP, " ".join(f"{k}={toml_value(v)}" for k, v in settings.items()), a.nodes,
             check=lambda: weights.exists() or f"wrote no {weights}")
     delta = auto_delta(a.nodes)
     rate = a.sampled / a.nodes
-    row = {"row": "Flower DP-FedAvg", "epsilon": epsilon_of({(rate, z): a.rounds}, delta, "pld"),
+    row = {"row": name, "epsilon": epsilon_of({(rate, z): a.rounds}, delta, "pld"),
            "epsilon_without_amplification": epsilon_of({(1.0, z): a.rounds}, delta, "pld"), "delta": delta,
            "noise_multiplier": z, "seconds": time.perf_counter() - start,
            "round_seconds_median": float(np.median(json.loads(Path(str(weights) + ".json").read_text())
@@ -177,10 +178,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--epsilon", type=float, default=4.0)
     p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label skew")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dpdro-lr", type=float, default=1.0, help="dpdro's lr-x")
+    p.add_argument("--dpdro-lr", type=float, nargs="+", default=[1.0, 0.2], help="dpdro's lr-x (a row each)")
     p.add_argument("--dpdro-clip", type=float, default=1.0, help="dpdro's clip-x (of a node's mean gradient)")
     p.add_argument("--dpdro-momentum", type=float, default=0.9, help="dpdro's momentum (post-processing)")
-    p.add_argument("--fedavg-lr", type=float, default=0.05, help="local SGD step of the FedAvg nodes")
+    p.add_argument("--fedavg-lr", type=float, nargs="*", default=[0.05],
+                   help="local SGD step of the FedAvg nodes (a row each)")
     p.add_argument("--fedavg-epochs", type=int, default=1)
     p.add_argument("--fedavg-batch", type=int, default=16)
     p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
@@ -192,15 +194,18 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     keys = base_keys(a)
-    rows = [dpdro_row("dpdro dp-sgd", {**keys, "algorithm": "dp-sgd", "lr-x": a.dpdro_lr,
-                                       "clip-x": a.dpdro_clip, "momentum": a.dpdro_momentum}, out)]
-    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
-    rows.append(dpdro_row("dpdro recursive-spider, dro-groups = node",
-                          {**keys, "algorithm": "recursive-spider", "dro-level": "group", "dro-groups": "node",
-                           "lr-x": a.dpdro_lr, "clip-x": a.dpdro_clip, "momentum": a.dpdro_momentum}, out))
-    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
-    rows.append(fedavg_row(a, rows[0]["noise_multiplier"], out))
-    print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
+    rows = []
+    for lr in a.dpdro_lr:  # every step size tried is a row: nothing is selected on the test split
+        common = {**keys, "lr-x": lr, "clip-x": a.dpdro_clip, "momentum": a.dpdro_momentum}
+        rows.append(dpdro_row(f"dpdro dp-sgd (lr-x {lr:g})", {**common, "algorithm": "dp-sgd"}, out))
+        rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = node (lr-x {lr:g})",
+                              {**common, "algorithm": "recursive-spider", "dro-level": "group",
+                               "dro-groups": "node"}, out))
+        for r in rows[-2:]:
+            print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
+    for lr in a.fedavg_lr:
+        rows.append(fedavg_row(a, rows[0]["noise_multiplier"], lr, out))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
     print("\n".join(table(rows)))
     (out / "table.md").write_text("\n".join(table(rows)) + "\n")
     return 0

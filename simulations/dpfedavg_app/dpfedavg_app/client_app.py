@@ -1,8 +1,8 @@
 """ClientApp of the DP-FedAvg anchor: local SGD on the node's shard from the received flat parameters ``w``
 (``local-epochs`` passes of mini-batches of ``batch`` records at step ``lr``), the updated parameters returned with
 num-examples = 1 (equal weights: DP-FedAvg's fixed-denominator mean, McMahan et al. 2018; Flower's accounted path
-requires them). A node without records returns ``w`` unchanged. The update is clipped and noised by the server's
-wrapper, not here."""
+requires them). A node without records returns ``w`` moved by one float32 ulp in one coordinate (Flower's clip
+divides by the update's norm). The update is clipped and noised by the server's wrapper, not here."""
 
 import numpy as np
 import torch
@@ -31,5 +31,7 @@ def train(msg: Message, context: Context) -> Message:
             w.requires_grad_(True)
             (g,) = torch.autograd.grad(model.losses(w, x[b], y[b]).mean(), w)
             w = (w - lr * g).detach()
+    if len(y) == 0:  # no records: a zero update, on which Flower's clip divides by zero (flwr 1.42
+        w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))  # supercore/differential_privacy.py): one ulp
     reply = RecordDict({"arrays": ArrayRecord({"w": Array(w.numpy())}), "metrics": MetricRecord({"num-examples": 1})})
     return Message(reply, reply_to=msg)

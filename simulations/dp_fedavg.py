@@ -1,5 +1,6 @@
 """dpdro's node-level runs beside Flower's own DP-FedAvg on the same nodes, partition, model and epsilon: the table
-of docs/research/NODES.md ("Node-level privacy against Flower's DP-FedAvg"). A benchmark script, not a test.
+of docs/research/NODES.md ("Node-level privacy against Flower's DP-FedAvg (1,000 nodes)"). A benchmark script, not
+a test.
 
   python -m dpdro.simulations.dp_fedavg --out runs/dp-fedavg [--nodes 1000] [--sampled 30] [--rounds 100]
 
@@ -170,7 +171,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.dp_fedavg", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.dp_fedavg", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/dp-fedavg")
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--sampled", type=int, default=30, help="nodes per round (dpdro: expected, Poisson)")

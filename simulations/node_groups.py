@@ -77,7 +77,7 @@ def table(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m dpdro.simulations.node_groups", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for the three run directories and table.md")
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--alpha", type=float, default=0.3)

@@ -1,5 +1,5 @@
-"""Scale of a node-sampled fleet on Flower's simulation engine: the table of docs/research/PERFORMANCE.md
-("Fleets: 100 to 1,000 simulated nodes"). A benchmark that prints figures and ratios, not a timed test.
+"""Scale of a node-sampled fleet on Flower's simulation engine: docs/research/FLEETS.md (30 to 1,000 simulated
+nodes; PERFORMANCE.md links it). A benchmark that prints figures and ratios, not a timed test.
 
   python -m dpdro.simulations.node_scale --out runs/node-scale [--nodes 30 100 300 1000] [--iterations 20]
 
@@ -223,7 +223,7 @@ def document(rows: list[dict], command: str, before: list[dict] | None = None) -
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.node_scale", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.node_scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/node-scale", help="folder of the rows' run directories")
     p.add_argument("--nodes", nargs="+", type=int, default=[30, 100, 300, 1000])
     p.add_argument("--iterations", type=int, default=20)

@@ -27,6 +27,7 @@ from ..common.models import make_model, resolve_model, validate_model
 from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clip_scales, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import gaussian_noise, site_rng
+from .local_steps import local_update
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +161,16 @@ class ShardWorker:
         # privacy-unit=node: every record of the shard (the node is the unit; server/node_sampling.py)
         idx = np.arange(self.num_records) if node_unit else self.sample(query)
         fn, flats, problem, groups = self._inputs(query, versions)
-        total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points], query.point_coefs(),
-                                       self.x, self.y, torch.as_tensor(idx, device=self.device), query.clip,
-                                       query.dim, problem, query.extra, self.cfg.chunk_size, groups)
-        if node_unit:  # the node's mean, clipped to the clip norm as one vector; it counts as one unit
-            total = node_contribution(total, len(idx), query.clip)
+        if node_unit and query.local:  # local SGD from the broadcast model; its update, clipped as one vector
+            total, clipped = node_contribution(self._local_update(query, fn, flats[0], problem, groups), 1,
+                                               query.clip), 0
+        else:
+            rows = torch.as_tensor(idx, device=self.device)
+            total, clipped = clipped_total(self.model, fn, flats, [p.scalar for p in query.points],
+                                           query.point_coefs(), self.x, self.y, rows, query.clip, query.dim, problem,
+                                           query.extra, self.cfg.chunk_size, groups)
+            if node_unit:  # the node's mean, clipped to the clip norm as one vector; it counts as one unit
+                total = node_contribution(total, len(idx), query.clip)
         out = total.cpu().numpy()
         if query.count_only:  # the number of sampled records under the clip (messages.Query.count_only)
             out = np.array([float(len(idx) - clipped)])
@@ -179,6 +185,27 @@ class ShardWorker:
         if fault == "nan":
             out[:] = np.nan
         return Reply(query.qid, self.partition, out, count)
+
+    def _local_update(self, query: Query, fn, flat0: torch.Tensor, problem: Problem,
+                      groups: torch.Tensor | None) -> torch.Tensor:
+        """x_0 - x_K (query.dim,) float64 of ``query.local``'s local SGD on this node's whole shard
+        (``client.local_steps.local_update``), the per-record gradients of the query's quantity at its one point's
+        scalar, unclipped. ValueError for a query of several points or whose quantity is not a gradient of the
+        model's parameters (its dim is not the model's)."""
+        if len(query.points) != 1 or query.dim != flat0.numel():
+            raise ValueError(f"release '{query.mechanism}': local steps need a one-point gradient of the model's "
+                             f"{flat0.numel()} parameters; got {len(query.points)} points and dim {query.dim}")
+        scalar = query.points[0].scalar
+        epochs, lr, batch = query.local
+
+        def grad_sum(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+            return clipped_total(self.model, fn, [x.to(self.dtype)], [scalar], (1.0,), self.x, self.y,
+                                 torch.as_tensor(rows, device=self.device), math.inf, query.dim, problem,
+                                 query.extra, self.cfg.chunk_size, groups)[0]
+
+        rng = site_rng(self.cfg.reproducible, self.cfg.seed, "local-steps", query.iteration, query.mechanism,
+                       self.partition, query.attempt)
+        return local_update(flat0, self.num_records, grad_sum, int(epochs), lr, int(batch), rng)
 
     def _answer_ddg(self, query: Query, versions: Mapping[int, np.ndarray], fault: str | None) -> Reply:
         """noise-mode=distributed-discrete: this client's share of the release (``common.ddg.ShareSpec``; Kairouz,

@@ -27,6 +27,9 @@ class AlgorithmSpec:
     params: the declarations (``config_schema.param``) of the keys only some algorithms read; each is in ``keys``.
         A key several algorithms read is declared by each of them with the same ``Field``; the config's keys are
         its own (common/config.py) plus every declared algorithm's params.
+    local_steps: the mechanisms whose released mean is a gradient in the model's parameters at one point (a
+        refresh) and which a node may replace by its update after local SGD steps (config key local-epochs,
+        privacy-unit=node; ``server.releaser.Releaser.decorate``); empty: local steps do not apply.
     check: called with the algorithm's params {key: parsed value} when a config chooses the algorithm; raises
         ValueError (its message names the keys) for a combination that cannot work.
     quantities: names in ``common.quantities.QUANTITIES`` its queries use.
@@ -52,6 +55,7 @@ class AlgorithmSpec:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     reports: tuple[str, ...] = ()
     params: tuple[Field, ...] = ()
+    local_steps: tuple[str, ...] = ()
     check: Callable[[Mapping[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
@@ -390,7 +394,8 @@ declare_algorithm(AlgorithmSpec(
     fixed={**_SPIDER, "eta-clip-rule": "weight-bound", "dro-level": "group"},
     reports=("psi", "lambda", "dro_clip", "eval_dro_objective", "eta0", "spider_noise"),
     params=(*_SPIDER_PARAMS, *_DUAL_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DIFF_LEVER_PARAMS,
-            *_DOUBLE_SPIDER_PARAMS)))
+            *_DOUBLE_SPIDER_PARAMS),
+    local_steps=("x-refresh",)))
 declare_algorithm(AlgorithmSpec(
     "recursive-spider",
     keys=("q", "refresh-batch", "diff-batch", "s-batch", "clip-x", "clip-diff", "clip-diff-max", "clip-s",
@@ -412,21 +417,22 @@ declare_algorithm(AlgorithmSpec(
     # its objective is KL-DRO with rho (its own eval_kl_dro_objective), not the psi-divergence of key psi
     reports=("dro_clip", "spider_noise"),
     params=(*_SPIDER_PARAMS, *_BOUNDED_LOSS_PARAMS, *_GROUP_DRO_PARAMS, *_DIFF_LEVER_PARAMS, *_RECURSIVE_SPIDER_PARAMS),
+    local_steps=("x-refresh",),  # dro-level=group only: the record level's x release is the compositional v/u
     check=_check_recursive_spider))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd", keys=("refresh-batch", "clip-x", "lr-x"), quantities=("ce-grad",),
-    space=_levers(_LR, tau=None)))
+    space=_levers(_LR, tau=None), local_steps=("grad",)))
 declare_algorithm(AlgorithmSpec(
     "dp-sgd-la", keys=("refresh-batch", "clip-x", "lr-x", "logit-adjust-tau", "class-prior", "prior-noise-multiplier"),
     quantities=("ce-grad",), logit_adjusted=True,
-    space=_levers(_LR, tau=_TAU_LA)))
+    space=_levers(_LR, tau=_TAU_LA), local_steps=("grad",)))
 declare_algorithm(AlgorithmSpec(
     "dp-sgda", keys=("refresh-batch", "clip-x", "clip-stats", "loss-bound", "lr-x", "lr-p", "lambda", "dro-groups"),
     quantities=("class-loss-stats", "class-weighted-grad"), dro=True,
     space={**_levers(_LR), "lr-p": FloatRange(0.02, 1.0, log=True), "lambda": FloatRange(0.05, 2.0, log=True),
            "noise-allocation": _ALLOCATION},
     reports=("lambda",),
-    params=(*_BOUNDED_LOSS_PARAMS, *_SGDA_PARAMS)))
+    params=(*_BOUNDED_LOSS_PARAMS, *_SGDA_PARAMS), local_steps=("grad",)))
 
 # dp-sgd-dual and dp-spiderboost read loss-bound too: the private eta initialisation's sensitivity (server/setup.py)
 declare_algorithm(AlgorithmSpec(

@@ -218,6 +218,15 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("momentum", "float", 0.0, "Heavy-ball momentum mu of the model's step: x_{t+1} = x_t + m_{t+1}, m_{t+1} = "
           "mu m_t + (the algorithm's own step). Post-processing of released values, no privacy cost "
           "(docs/explanation/ALGORITHMS.md 5.10; 0: off).", low=0.0, high=0.999, role="algorithm"),
+    Field("local-epochs", "int", 0, "privacy-unit=node only: each sampled node runs this many epochs of local SGD "
+          "on its shard from the broadcast model and sends its model update x_0 - x_K, clipped to clip-x as one "
+          "vector, in place of its mean gradient (DP-FedAvg, McMahan et al. 2018; the same sensitivity and ledger; "
+          "docs/explanation/ALGORITHMS.md 5.9). With lr-x 1 and momentum 0 the server step is FedAvg's. 0: off.",
+          low=0, high=1000, role="algorithm"),
+    Field("local-lr", "float", 0.05, "Step size of a node's local SGD (local-epochs > 0).", low=0.0, low_open=True,
+          high=1e6, role="algorithm"),
+    Field("local-batch", "int", 16, "Records per local SGD step of a node (local-epochs > 0; a node's last batch of an "
+          "epoch may hold fewer).", low=1, high=10**9, role="algorithm"),
     Field("clip-x", "float", 1.0, "Clipping norm C_x of per-record x-gradients (refresh).",
           low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("noise-allocation", "str", "variance", "How the noise multipliers of an algorithm's mechanisms relate: "
@@ -601,6 +610,10 @@ class Config:
                 raise ConfigError("config key 'privacy-unit': got 'node' with evaluation on the nodes (eval-data "
                                   f"{self.eval_data!r}); allowed there: 'record' only (a node's evaluation counts are "
                                   "bounded per record, not per node); use eval-data=server or privacy-unit=record")
+        if self.local_epochs > 0 and self.privacy_unit != "node":
+            raise ConfigError(f"config key 'local-epochs': got {self.local_epochs} with privacy-unit="
+                              f"{self.privacy_unit!r}; allowed there: 0 only (a node's update after local steps is "
+                              "bounded as one vector, not per record); use privacy-unit=node or local-epochs=0")
         expected = self.node_sampling_rate * self.num_clients
         if self.privacy_unit == "node" and expected < MIN_EXPECTED_NODES:
             raise ConfigError(

@@ -53,6 +53,9 @@ class Query:
             (``common.ddg.ShareSpec.to_tuple``: c', sigma, bits, bound, rotation seed); the reply is then the share
             modulo 2^bits, (d',) with d' the power of two >= ``out_dim``, its values integers as float64. Empty
             otherwise.
+        local: privacy-unit=node with config key local-epochs > 0, on a refresh of the model's gradient: (epochs, lr,
+            batch) of the local SGD a node runs from ``points[0]``; the node then sends its update x_0 - x_K clipped to
+            ``clip`` as one vector (``client.local_steps``). Empty: the per-record quantity as above.
     """
 
     iteration: int
@@ -70,6 +73,7 @@ class Query:
     noise_std: float = 0.0
     count_only: bool = False
     ddg: tuple[float, ...] = ()
+    local: tuple[float, ...] = ()
 
     @property
     def out_dim(self) -> int:

@@ -141,3 +141,36 @@ def unit_plan(plan: Mapping, unit: str, node_rate: float) -> dict:
     if unit == "record":
         return dict(plan)
     return {dataclasses.replace(m, rate=node_rate): c for m, c in plan.items()}
+
+
+def local_step_mechanisms(cfg) -> tuple[str, ...]:
+    """The mechanisms a node answers with its update after local SGD (config key local-epochs > 0 at
+    privacy-unit=node; ``client.local_steps``): the algorithm's ``AlgorithmSpec.local_steps``; () otherwise."""
+    from ..common.algorithm_specs import ALGORITHM_SPECS
+
+    if cfg.privacy_unit != "node" or cfg.local_epochs == 0:
+        return ()
+    return ALGORITHM_SPECS[cfg.algorithm].local_steps
+
+
+def check_local_steps(cfg, mechanisms: Iterable[str]) -> None:
+    """local-epochs > 0, before any work: refuse (ConfigError naming the key, the algorithm and what is allowed) a run
+    none of whose ``mechanisms`` (the names of its algorithm's releases) a node could answer with a local update, so
+    that the key never silently does nothing (e.g. recursive-spider at dro-level=record, whose model release is the
+    compositional v/u), or one with SPIDER differences (q > 1)."""
+    from ..common.algorithm_specs import ALGORITHM_SPECS
+
+    if cfg.privacy_unit != "node" or cfg.local_epochs == 0:
+        return
+    q = getattr(cfg.params, "q", 1)
+    if q != 1:  # a SPIDER difference is in gradient units, a local update in units of local-lr x steps
+        raise ConfigError(f"config key 'local-epochs': got {cfg.local_epochs} with q = {q}; allowed there: q = 1 only "
+                          "(a refresh every iteration: the SPIDER differences estimate gradients, which a node's local "
+                          "update is not, so the two cannot be summed)")
+    if set(local_step_mechanisms(cfg)) & set(mechanisms):
+        return
+    allowed = [n for n, s in ALGORITHM_SPECS.items() if s.local_steps]
+    raise ConfigError(f"config key 'local-epochs': got {cfg.local_epochs} with algorithm {cfg.algorithm!r}"
+                      f"{' at dro-level=' + repr(cfg.params.dro_level) if hasattr(cfg.params, 'dro_level') else ''}, "
+                      "which makes no one-point release of the model's gradient that a node's local update could "
+                      f"replace; allowed: 0, or one of {', '.join(allowed)} (recursive-spider at dro-level=group)")

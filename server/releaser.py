@@ -23,7 +23,7 @@ from ..common.rng import site_rng
 from ..common.transport import Transport, under_failure_policy
 from .diagnostics import NoiseMonitor
 from .ledger import Ledger, PrivacyBudgetExceeded
-from .node_sampling import expected_count, sample_partitions
+from .node_sampling import expected_count, local_step_mechanisms, sample_partitions
 from .release import aggregate, min_shares, noisy_mean, split_valid, sum_rounding_factor
 from .rundir import RunDir
 
@@ -130,6 +130,8 @@ class Releaser:
                                     ledger.node_rate, ledger.ddg)
         self.mode = noise_mode(cfg.noise_mode)  # where the noise is drawn (common/noise_modes.py)
         self.node_unit = cfg.privacy_unit == "node"
+        # the releases a node answers with its update after local SGD (config key local-epochs; privacy-unit=node)
+        self.local_mechanisms = frozenset(local_step_mechanisms(cfg))
         if self.node_unit:  # the unit is a node: sums over at most m clipped node vectors (ALGORITHMS.md 5.9)
             self.sum_factor = sum_rounding_factor(max(cfg.num_clients, transport.num_clients))
         self.shares = min_shares(cfg.on_client_failure, cfg.min_clients, transport.num_clients)
@@ -153,6 +155,8 @@ class Releaser:
         if self.node_unit:  # no clipped-count coordinate; the release is charged at the node-sampling rate
             count_scale = 0.0
             q = dataclasses.replace(q, rate=cfg.node_sampling_rate)
+            if q.mechanism in self.local_mechanisms and len(q.points) == 1:  # local-epochs > 0 (ALGORITHMS.md 5.9)
+                q = dataclasses.replace(q, local=(float(cfg.local_epochs), cfg.local_lr, float(cfg.local_batch)))
         q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)

@@ -30,7 +30,7 @@ from .algorithms import Algorithm, make_algorithm
 from .allocation import allocate
 from .ledger import ACCOUNTANTS, Mechanism, auto_delta, calibrate, check_delta, epsilon_of
 from .model_files import describe_module_class
-from .node_sampling import check_node_noise, ledger_node_rate, unit_plan
+from .node_sampling import check_local_steps, check_node_noise, ledger_node_rate, unit_plan
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,9 @@ def plan_run(cfg: Config, algo, n: int, delta: float) -> tuple[dict, dict[str, f
                           ledger_node_rate(cfg.privacy_unit, cfg.node_sampling_rate),
                           ddg_geometry(cfg, getattr(algo, "dim", 0)))
         noise = {m.name: m.noise_at(scale) for m in plan}
-        if cfg.privacy_unit == "node":
-            check_node_noise(noise, cfg.node_sampling_rate, cfg.num_clients)
+        if cfg.privacy_unit == "node":  # the releases the plan makes (q = 1 plans no difference)
+            check_node_noise({m.name: noise[m.name] for m, k in plan.items() if k > 0}, cfg.node_sampling_rate,
+                             cfg.num_clients)
     else:
         noise = {m.name: 0.0 for m in plan}
     return plan, noise, profiles
@@ -162,6 +163,7 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
     model = FlatModel(base)
     check_groups(cfg, num_groups)
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
+    check_local_steps(cfg, [m.name for m in algo.mechanisms()])
     releases, noise, profiles = plan_run(cfg, algo, n, delta)
     return RunPlan(cfg, n, delta, model, factory, initial, algo, releases, noise, profiles, notes,
                    ddg_geometry(cfg, model.dim))

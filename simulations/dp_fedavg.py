@@ -10,6 +10,10 @@ Rows (all at node-level epsilon ``--epsilon`` and delta 1/(10 m) for m nodes, on
   mean gradient clipped to C, Gaussian noise on the sum (ALGORITHMS.md 5.9), in-process transport (equal to the
   Flower simulation, tests/test_node_sampling.py); the noise multiplier z is calibrated by dpdro's ledger.
 - ``dpdro recursive-spider, dro-groups = node``: the same with the nodes as the DRO groups (ALGORITHMS.md 3.3).
+- ``... local epochs E``: the same two with ``local-epochs = E`` (``--local-epochs``): each sampled node runs E epochs
+  of local SGD (Flower's local step size and batch) and sends its model update clipped to Flower's clip
+  (``client/local_steps.py``), at ``lr-x = 1`` and no momentum: FedAvg's server step, so dpdro's dp-sgd row is
+  DP-FedAvg in dpdro's engine (Poisson node sampling, dpdro's ledger) and differs from Flower's only in the sample.
 - ``Flower DP-FedAvg``: Flower's ``FedAvg`` wrapped in ``DifferentialPrivacyServerSideFixedClipping``
   (``simulations/dpfedavg_app``) on Flower's simulation engine with one SuperNode per node: each round ``sampled``
   nodes drawn uniformly without replacement, each runs ``--fedavg-epochs`` local epochs of SGD from the global model,
@@ -187,6 +191,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fedavg-epochs", type=int, default=1)
     p.add_argument("--fedavg-batch", type=int, default=16)
     p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
+    p.add_argument("--local-epochs", type=int, default=1,
+                   help="dpdro rows with local-epochs = this (local lr, batch and clip: the first --fedavg-lr, "
+                        "--fedavg-batch, --fedavg-clip); 0: none")
     a = p.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     if not 2 <= a.sampled <= a.nodes:
@@ -202,6 +209,15 @@ def main(argv: list[str]) -> int:
         rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = node (lr-x {lr:g})",
                               {**common, "algorithm": "recursive-spider", "dro-level": "group",
                                "dro-groups": "node"}, out))
+        for r in rows[-2:]:
+            print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
+    if a.local_epochs > 0:  # DP-FedAvg's contribution in dpdro: a node's update after local SGD (local-epochs)
+        local = {**keys, "lr-x": 1.0, "clip-x": a.fedavg_clip, "momentum": 0.0, "local-epochs": a.local_epochs,
+                 "local-lr": a.fedavg_lr[0], "local-batch": a.fedavg_batch}
+        rows.append(dpdro_row(f"dpdro dp-sgd, local epochs {a.local_epochs}", {**local, "algorithm": "dp-sgd"}, out))
+        rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = node, local epochs {a.local_epochs}",
+                              {**local, "algorithm": "recursive-spider", "dro-level": "group", "dro-groups": "node",
+                               "q": 1}, out))
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
     for lr in a.fedavg_lr:

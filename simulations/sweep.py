@@ -219,7 +219,8 @@ KEYS_ADDED_LATER = {"block-order": "sequential", "reproducible-for-testing": Fal
                     "clip-diff-quantile-lr": 0.2, "clip-diff-quantile-noise-ratio": 5.0,
                     "node-sampling-rate": 1.0, "privacy-unit": "record", "momentum": 0.0,
                     "checkpoint-select": "last", "ddg-bits": "auto",
-                    "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse"}
+                    "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse", "local-epochs": 0,
+                    "local-lr": 0.05, "local-batch": 16}
 # Keys that change only what a run states about itself (the summary's not_accounted), never what it computes: left
 # out of the fingerprint at every value.
 STATEMENT_KEYS = ("chosen-on-private-data",)

@@ -229,6 +229,9 @@ ONE_ROUND = {"dro_level": "group", "block_order": "simultaneous"}
     ("dp-sgd", {"checkpoint_select": "private-best", "eval_split": "validation", "validation_fraction": 0.2,
                 "eval_epsilon": 0.5}),  # the checkpoint chosen by the nodes' noisy validation counts
     ("dp-double-spider", {"node_sampling_rate": 0.5}),  # the same seeded node sample on both transports
+    # node-level privacy, each node's update after a local epoch of SGD (local-epochs; seeded shuffles)
+    ("dp-sgd", {"privacy_unit": "node", "num_clients": 10, "local_epochs": 1, "local_batch": 64,
+                "max_train_records": 600, "epsilon": 8.0, "eval_data": "server"}),
     # the nodes as the groups (dro-groups=node): each node answers with its partition id as every record's group
     ("recursive-spider", {"dro_level": "group", "dro_groups": "node", "partition": "dirichlet",
                           "dirichlet_alpha": 0.3})])

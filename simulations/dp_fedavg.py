@@ -2,9 +2,11 @@
 of docs/research/NODES.md ("Node-level privacy against Flower's DP-FedAvg (1,000 nodes)"). A benchmark script, not
 a test.
 
-  python -m dpdro.simulations.dp_fedavg --out runs/dp-fedavg [--nodes 1000] [--sampled 30] [--rounds 100]
+  python -m dpdro.simulations.dp_fedavg --out runs/dp-fedavg [--nodes 1000] [--sampled 30] [--rounds 100] \
+      [--seeds 0 1 2]
 
-Rows (all at node-level epsilon ``--epsilon`` and delta 1/(10 m) for m nodes, one seed):
+Rows (all at node-level epsilon ``--epsilon`` and delta 1/(10 m) for m nodes; each seed's in OUT/seed-S, and with
+several seeds a table of means and 95 % intervals of the decisive differences, ``seeds_table``):
 
 - ``dpdro dp-sgd``: ``privacy-unit = node``, ``node-sampling-rate = sampled / nodes``: each sampled node sends its
   mean gradient clipped to C, Gaussian noise on the sum (ALGORITHMS.md 5.9), in-process transport (equal to the
@@ -174,32 +176,51 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.dp_fedavg", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/dp-fedavg")
-    p.add_argument("--nodes", type=int, default=1000)
-    p.add_argument("--sampled", type=int, default=30, help="nodes per round (dpdro: expected, Poisson)")
-    p.add_argument("--rounds", type=int, default=100)
-    p.add_argument("--epsilon", type=float, default=4.0)
-    p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label skew")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dpdro-lr", type=float, nargs="+", default=[1.0, 0.2], help="dpdro's lr-x (a row each)")
-    p.add_argument("--dpdro-clip", type=float, default=1.0, help="dpdro's clip-x (of a node's mean gradient)")
-    p.add_argument("--dpdro-momentum", type=float, default=0.9, help="dpdro's momentum (post-processing)")
-    p.add_argument("--fedavg-lr", type=float, nargs="*", default=[0.05],
-                   help="local SGD step of the FedAvg nodes (a row each)")
-    p.add_argument("--fedavg-epochs", type=int, default=1)
-    p.add_argument("--fedavg-batch", type=int, default=16)
-    p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
-    p.add_argument("--local-epochs", type=int, default=1,
-                   help="dpdro rows with local-epochs = this (local lr, batch and clip: the first --fedavg-lr, "
-                        "--fedavg-batch, --fedavg-clip); 0: none")
-    a = p.parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
-    if not 2 <= a.sampled <= a.nodes:
-        print(f"--sampled must be in [2, --nodes = {a.nodes}]; got {a.sampled}", file=sys.stderr)
-        return 2
-    out = Path(a.out)
+def _median_node(r: dict) -> float:
+    return float(np.nanmedian(np.asarray(r["per_node_accuracy"], dtype=float)))
+
+
+SEED_COLUMNS = (("accuracy", lambda r: r["test_accuracy"]), ("worst class", lambda r: r["worst_class_accuracy"]),
+                ("worst node", lambda r: r["worst_node_accuracy"]), ("10th-percentile node",
+                                                                     lambda r: r["node_accuracy_p10"]),
+                ("median node", _median_node))
+
+
+def seeds_table(by_seed: dict[int, list[dict]]) -> list[str]:
+    """Mean +/- std over the seeds of every row (same name in each seed's rows), then the two comparisons the issue
+    asks for under the report's interval rule (``tables.verdict``: Welch's 95 % interval of the difference): dpdro's
+    DP-FedAvg (dp-sgd with local steps) against Flower's wrapper, and node groups against none, both with local
+    steps."""
+    from .tables import _mean_std, verdict
+
+    names = list(dict.fromkeys(r["row"] for rows in by_seed.values() for r in rows))
+    runs = {n: [r for rows in by_seed.values() for r in rows if r["row"] == n] for n in names}
+    head = " | ".join(c for c, _ in SEED_COLUMNS)
+    lines = [f"| row | seeds | epsilon | {head} |", "|---|---|---|" + "---|" * len(SEED_COLUMNS)]
+    for n in names:
+        cells = []
+        for _, get in SEED_COLUMNS:
+            m, sd = _mean_std([get(r) for r in runs[n]])
+            cells.append(f"{m:.3f} +/- {sd:.3f}")
+        lines.append(f"| {n} | {len(runs[n])} | {max(r['epsilon'] for r in runs[n]):.3f} | {' | '.join(cells)} |")
+    fedavg = next((n for n in names if n.startswith("Flower DP-FedAvg")), None)
+    local = next((n for n in names if n.startswith("dpdro dp-sgd, local epochs")), None)
+    groups = next((n for n in names if n.startswith("dpdro recursive-spider, dro-groups = node, local")), None)
+    lines.append("")
+    for a_name, b_name in ((local, fedavg), (groups, local)):
+        if a_name is None or b_name is None:
+            continue
+        for column, get in SEED_COLUMNS:
+            if column == "worst class":
+                continue
+            lines.append(f"- {a_name} against {b_name}, {column}: "
+                         f"{verdict([get(r) for r in runs[a_name]], [get(r) for r in runs[b_name]])}")
+    return lines
+
+
+def seed_rows(a: argparse.Namespace, out: Path) -> list[dict]:
+    """Every row of one seed (``a.seed``) in ``out``: dpdro's rows without and with local steps, then Flower's at
+    dp-sgd's noise multiplier (finished rows are read back)."""
     out.mkdir(parents=True, exist_ok=True)
     keys = base_keys(a)
     rows = []
@@ -220,11 +241,55 @@ def main(argv: list[str]) -> int:
                                "q": 1}, out))
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
+    z = next(r["noise_multiplier"] for r in rows if r["row"].startswith("dpdro dp-sgd"))
     for lr in a.fedavg_lr:
-        rows.append(fedavg_row(a, rows[0]["noise_multiplier"], lr, out))
+        rows.append(fedavg_row(a, z, lr, out))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_node_accuracy"}), flush=True)
-    print("\n".join(table(rows)))
-    (out / "table.md").write_text("\n".join(table(rows)) + "\n")
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m dpdro.simulations.dp_fedavg", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/dp-fedavg")
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--sampled", type=int, default=30, help="nodes per round (dpdro: expected, Poisson)")
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--epsilon", type=float, default=4.0)
+    p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label skew")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="a run of every row per seed (OUT/seed-S); with several, the table gives mean +/- std over "
+                        "them and 95 %% intervals of the differences that decide the comparison")
+    p.add_argument("--dpdro-lr", type=float, nargs="*", default=[1.0, 0.2],
+                   help="dpdro's lr-x of the rows without local steps (a row each; none: no such rows)")
+    p.add_argument("--dpdro-clip", type=float, default=1.0, help="dpdro's clip-x (of a node's mean gradient)")
+    p.add_argument("--dpdro-momentum", type=float, default=0.9, help="dpdro's momentum (post-processing)")
+    p.add_argument("--fedavg-lr", type=float, nargs="*", default=[0.05],
+                   help="local SGD step of the FedAvg nodes (a row each)")
+    p.add_argument("--fedavg-epochs", type=int, default=1)
+    p.add_argument("--fedavg-batch", type=int, default=16)
+    p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
+    p.add_argument("--local-epochs", type=int, default=1,
+                   help="dpdro rows with local-epochs = this (local lr, batch and clip: the first --fedavg-lr, "
+                        "--fedavg-batch, --fedavg-clip); 0: none")
+    a = p.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    if not 2 <= a.sampled <= a.nodes:
+        print(f"--sampled must be in [2, --nodes = {a.nodes}]; got {a.sampled}", file=sys.stderr)
+        return 2
+    if not a.dpdro_lr and a.local_epochs < 1:
+        print("--dpdro-lr: got no value with --local-epochs 0; allowed: a step size, or --local-epochs >= 1 (Flower's "
+              "row takes the noise multiplier of a dpdro dp-sgd row)", file=sys.stderr)
+        return 2
+    by_seed = {}
+    for seed in a.seeds:  # each seed's rows in OUT/seed-S (they resume), then the table over the seeds
+        a.seed = seed
+        out = Path(a.out) / f"seed-{seed}"
+        rows = seed_rows(a, out)
+        (out / "table.md").write_text("\n".join(table(rows)) + "\n")
+        by_seed[seed] = rows
+    lines = table([r for rows in by_seed.values() for r in rows]) if len(a.seeds) == 1 else seeds_table(by_seed)
+    print("\n".join(lines))
+    Path(a.out, "table.md").write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -104,3 +104,22 @@ def test_the_fleet_document_compares_start_up_with_earlier_rows():
     text = node_scale.document([row(300, 200.0), row(1000, 700.0)], "x", before=[row(1000, 1500.0), row(50, 9.0)])
     assert "start-up (s): 1,000 nodes 1500.0 (now 700.0)." in text and "50 nodes" not in text
     assert "Before the hello window" not in node_scale.document([row(300, 200.0)], "x")
+
+
+def test_the_seeds_table_gives_means_and_decides_by_the_interval_rule():
+    def row(name, acc, p10, per_node):
+        return {"row": name, "epsilon": 4.0, "test_accuracy": acc, "worst_class_accuracy": 0.0,
+                "worst_node_accuracy": 0.0, "node_accuracy_p10": p10, "per_node_accuracy": per_node}
+
+    local, flower = "dpdro dp-sgd, local epochs 1", "Flower DP-FedAvg (local lr 0.05)"
+    groups = "dpdro recursive-spider, dro-groups = node, local epochs 1"
+    by_seed = {s: [row(local, 0.44 + 0.01 * s, 0.08, [0.2, 0.4, float("nan"), 0.6]),
+                   row(groups, 0.40 + 0.01 * s, 0.05, [0.3, 0.3, 0.3]),
+                   row(flower, 0.30 + 0.01 * s, 0.08 + 0.001 * s, [0.1, 0.2, 0.3])] for s in (0, 1, 2)}
+    lines = dp_fedavg.seeds_table(by_seed)
+    assert lines[2] == (f"| {local} | 3 | 4.000 | 0.450 +/- 0.010 | 0.000 +/- 0.000 | 0.000 +/- 0.000 | "
+                        "0.080 +/- 0.000 | 0.400 +/- 0.000 |")  # the median over the nodes with test records
+    verdicts = [line for line in lines if line.startswith("- ")]
+    assert verdicts[0].startswith(f"- {local} against {flower}, accuracy: better, 95% interval [+0.1")
+    assert any(line.startswith(f"- {groups} against {local}, 10th-percentile node: worse") for line in verdicts)
+    assert len(verdicts) == 8  # 4 columns (all but worst class) for each of the two comparisons

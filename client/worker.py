@@ -20,6 +20,7 @@ from ..common.config import check_device
 from ..common.data import ArrayDataset
 from ..common.eval_counts import EVAL_QUANTITY, node_counts
 from ..common.faults import active_fault
+from ..common.feature_norm import apply_stats
 from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
 from ..common.model_init import prepare_model
@@ -74,6 +75,7 @@ class ShardWorker:
         self._said_no_held_out = False
         self.problem = Problem.from_config(cfg)
         self._problems: dict[tuple[float, ...], Problem] = {}
+        self._feature_norm: tuple[float, ...] = ()  # the statistics the model's input norm holds (feature-norm)
 
     @property
     def num_records(self) -> int:
@@ -122,9 +124,19 @@ class ShardWorker:
             raise ValueError("dro-groups='attribute': this client's data set declares no group attribute")
         return self.groups
 
+    def _use_feature_norm(self, stats: tuple[float, ...]) -> None:
+        """feature-norm=private: fix the model's input normalisation to the released channel statistics the query
+        carries (once per change; an empty tuple leaves the model as built). The Opacus engine's hooked copy is
+        rebuilt with them."""
+        if stats and stats != self._feature_norm:
+            apply_stats(self.model.module, stats)
+            self.model.buffers_changed()
+            self._feature_norm = stats
+
     def _inputs(self, query: Query, versions: Mapping[int, np.ndarray]):
         """(quantity function, parameter points on this worker's device and dtype, problem with the query's
         offset, records' groups or None) of ``query``: what ``answer`` and ``record_rows`` compute with."""
+        self._use_feature_norm(query.feature_norm)
         fn = QUANTITIES[query.quantity]
         flats = [torch.as_tensor(versions[p.version]).to(self.device, self.dtype) for p in query.points]
         problem = self._problem(query.offset)
@@ -251,6 +263,7 @@ class ShardWorker:
         """A node evaluation (eval-data=nodes, common/eval_counts.py): the (2K,) per-class correct and total counts
         of the query's model on this node's held-out records, noised like any reply when ``query.noise_std`` > 0.
         A node without held-out records says so (a warning in its log, once) and replies zeros over 0 records."""
+        self._use_feature_norm(query.feature_norm)
         flat = torch.as_tensor(versions[query.points[0].version]).to(self.device, self.dtype)
         if self.held_out is None or int(self.held_out[1].shape[0]) == 0:
             if not self._said_no_held_out:  # once per worker: every evaluation of the run would repeat it

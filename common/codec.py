@@ -23,7 +23,7 @@ def query_to_dict(q: Query) -> dict:
             "scalars": [float(p.scalar) for p in q.points], "offset": [float(o) for o in q.offset],
             "count-scale": float(q.count_scale), "noise-std": float(q.noise_std),
             "count-only": bool(q.count_only), "ddg": [float(x) for x in q.ddg],
-            "local": [float(x) for x in q.local]}
+            "local": [float(x) for x in q.local], "feature-norm": [float(x) for x in q.feature_norm]}
 
 
 def query_from_dict(c) -> Query:
@@ -34,7 +34,8 @@ def query_from_dict(c) -> Query:
                  tuple(float(x) for x in c.get("coefs", [])), tuple(float(x) for x in c.get("extra", [])),
                  tuple(float(x) for x in c.get("offset", [])), float(c.get("count-scale", 0.0)),
                  float(c.get("noise-std", 0.0)), bool(c.get("count-only", False)),
-                 tuple(float(x) for x in c.get("ddg", [])), tuple(float(x) for x in c.get("local", [])))
+                 tuple(float(x) for x in c.get("ddg", [])), tuple(float(x) for x in c.get("local", [])),
+                 tuple(float(x) for x in c.get("feature-norm", [])))
 
 
 def encode_config(queries: list[Query], version_ids: list[int]) -> dict:

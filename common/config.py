@@ -168,6 +168,16 @@ CORE_FIELDS: tuple[Field, ...] = (
           "kymatio Scattering2D(J=2) as Tramer and Boneh 2021: images (C, H, W) become (81 C, H/4, W/4) features; "
           "needs the 'features' extra and model scatter-linear or scatter-cnn). No privacy cost: a fixed "
           "function of each record.", choices=FEATURES, role="data"),
+    Field("feature-norm", "str", "groupnorm", "Input normalisation of the scattering models (features=scatternet): "
+          "'groupnorm' (each record by itself, GroupNorm(27, C): no privacy cost) or 'private' (per-channel mean and "
+          "variance released once before training, charged: Tramer and Boneh's normalisation with DP statistics; "
+          "docs/explanation/ALGORITHMS.md 5.3 item 8).", choices=("groupnorm", "private"), role="algorithm"),
+    Field("feature-norm-clip", "float", 1.0, "feature-norm=private: each record's moment vector (the per-channel "
+          "means of x and of x^2, 2C values) is clipped to this L2 norm, the release's sensitivity (on CIFAR10-ST's "
+          "scattering features the norms' median is 0.96).", low=0.0, low_open=True, high=1e6, role="algorithm"),
+    Field("feature-norm-noise-multiplier", "float", 8.0, "feature-norm=private: fixed noise multiplier of the "
+          "moments' release (Tramer and Boneh's 8; calibration scales the training releases around it).",
+          low=0.0, low_open=True, high=1e6, role="algorithm"),
     Field("model", "str", "auto", "Model: 'cnn' (GroupNorm CNN, 1x28x28), 'cnn32' (small GroupNorm CNN, 3x32x32, "
           "CIFAR10-ST's CPU default), 'resnet20' (GroupNorm ResNet20, 3x32x32, the paper model for a GPU), 'cnn64' "
           "(GroupNorm CNN, 3x64x64), 'mlp' (tabular: any input, flattened), 'convnet' (GroupNorm "
@@ -742,6 +752,10 @@ class Config:
             raise ConfigError(f"config key 'model': got {self.model!r}{auto}; allowed with features='scatternet': "
                               f"{', '.join(map(repr, SCATTER_MODELS))} or an import path 'package.module:factory' "
                               "of a model for (81 C, H/4, W/4) features")
+        if self.feature_norm == "private" and self.features != "scatternet":
+            raise ConfigError(f"config key 'feature-norm': got 'private' with features={self.features!r}; allowed "
+                              "there: 'groupnorm' only (the private statistics normalise scattering features: set "
+                              "features=scatternet with scatter-linear or scatter-cnn)")
         if self.features == "none" and self.model in SCATTER_MODELS:
             raise ConfigError(f"config key 'features': got 'none' with model={self.model!r}; allowed with that "
                               "model: 'scatternet' (it reads scattering features, not images)")

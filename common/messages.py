@@ -56,6 +56,9 @@ class Query:
         local: privacy-unit=node with config key local-epochs > 0, on a refresh of the model's gradient: (epochs, lr,
             batch) of the local SGD a node runs from ``points[0]``; the node then sends its update x_0 - x_K clipped to
             ``clip`` as one vector (``client.local_steps``). Empty: the per-record quantity as above.
+        feature_norm: feature-norm=private: the channel means and inverse standard deviations (2C,) released before
+            training, with which the node's model normalises its inputs (``common.feature_norm.apply_stats``).
+            Empty: the model's own normalisation.
     """
 
     iteration: int
@@ -74,6 +77,7 @@ class Query:
     count_only: bool = False
     ddg: tuple[float, ...] = ()
     local: tuple[float, ...] = ()
+    feature_norm: tuple[float, ...] = ()
 
     @property
     def out_dim(self) -> int:

@@ -232,11 +232,48 @@ def _scatter_shape(name: str, input_shape: tuple[int, ...] | None) -> tuple[int,
     return tuple(input_shape)  # type: ignore[return-value]
 
 
+class ScatterNorm(nn.Module):
+    """The input normalisation of the scattering models: GroupNorm(27, C, affine=False), each record normalised by
+    itself (Tramer and Boneh's ``--input_norm=GroupNorm --num_groups=27``, no statistic of other records), until
+    ``set_stats`` fixes per-channel statistics released privately by the run (config key feature-norm=private,
+    ``common.feature_norm``); then (x - mean_c) * inv_std_c, their ``--input_norm=BN`` with DP statistics.
+
+    Buffers (in the state dict, so that an exported model predicts as it was trained): ``mean`` (C,), ``inv_std``
+    (C,) and ``fixed`` (bool scalar). A state dict saved before the buffers existed (GroupNorm) loads with the
+    GroupNorm defaults. Input (B, C, H, W), output the same shape.
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("inv_std", torch.ones(channels))
+        self.register_buffer("fixed", torch.zeros((), dtype=torch.bool))
+        self._register_load_state_dict_pre_hook(self._fill_missing)
+
+    def _fill_missing(self, state, prefix, *args) -> None:
+        """A model file from before the buffers: keep the GroupNorm behaviour it was trained with."""
+        for name, buf in (("mean", self.mean), ("inv_std", self.inv_std), ("fixed", self.fixed)):
+            state.setdefault(prefix + name, torch.zeros_like(buf) if name != "inv_std" else torch.ones_like(buf))
+
+    def set_stats(self, mean: torch.Tensor, inv_std: torch.Tensor) -> None:
+        """Fix the per-channel statistics (C,) each, in place (the tensors a FlatModel holds see them)."""
+        with torch.no_grad():
+            self.mean.copy_(mean)
+            self.inv_std.copy_(inv_std)
+            self.fixed.fill_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(self.fixed):
+            return (x - self.mean.view(1, -1, 1, 1)) * self.inv_std.view(1, -1, 1, 1)
+        return nn.functional.group_norm(x, SCATTER_GROUPS)
+
+
 @register_model("scatter-linear")
 class ScatterLinear(nn.Module):
     """Tramer and Boneh's ScatterNet + linear model (ICLR 2021; github.com/ftramer/Handcrafted-DP, ``models.py:
     ScatterLinear`` with ``input_norm="GroupNorm"``): GroupNorm(27, C, affine=False) on the scattering features, each
-    record normalised by itself (no statistic of other records, no parameter), then one linear layer.
+    record normalised by itself (no statistic of other records, no parameter), or with feature-norm=private the
+    privately released channel statistics (``ScatterNorm``), then one linear layer.
 
     Input: (B, C, H, W) features of config key features=scatternet, e.g. (243, 8, 8) for 32x32 RGB images;
     output: (B, num_classes) logits. C H W K + K parameters (155,530 for (243, 8, 8) and 10 classes).
@@ -246,7 +283,7 @@ class ScatterLinear(nn.Module):
     def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
         super().__init__()
         c, h, w = _scatter_shape("scatter-linear", input_shape)
-        self.norm = nn.GroupNorm(SCATTER_GROUPS, c, affine=False)
+        self.norm = ScatterNorm(c)
         self.head = nn.Linear(c * h * w, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,7 +305,7 @@ class ScatterCNN(nn.Module):
     def __init__(self, num_classes: int, input_shape: tuple[int, ...] | None = None) -> None:
         super().__init__()
         c, h, w = _scatter_shape("scatter-cnn", input_shape)
-        self.norm = nn.GroupNorm(SCATTER_GROUPS, c, affine=False)
+        self.norm = ScatterNorm(c)
         if c == 81:
             self.features = nn.Sequential(nn.Conv2d(c, 16, 3, stride=2, padding=1), nn.Tanh(),
                                           nn.Conv2d(16, 32, 3, padding=1), nn.Tanh())

@@ -74,6 +74,11 @@ class FlatModel:
         self.buffers = dict(module.named_buffers())
         self._linear = _ghost_layer(module, self.names) if engine == "ghost" else None
 
+    def buffers_changed(self) -> None:
+        """Call after changing the module's buffers in place (the worker's feature statistics): the computations
+        here read the module's own buffer tensors, and an engine's copy of the module (Opacus') is rebuilt."""
+        self._hooked = None
+
     def initial(self) -> torch.Tensor:
         """The module's current trainable parameters as a flat (d,) tensor."""
         return torch.cat([p.detach().reshape(-1) for p in self.module.parameters() if p.requires_grad])

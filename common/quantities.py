@@ -207,6 +207,16 @@ def class_loss_stats(model, flat, scalar, x, y, problem, extra=(), groups=None) 
     return torch.cat([onehot * losses.unsqueeze(1), onehot], dim=1)
 
 
+@register_quantity("channel-moments")
+def channel_moments_quantity(model, flat, scalar, x, y, problem, extra=()) -> torch.Tensor:
+    """[mean_c x ; mean_c x^2] per record over each channel's positions, shape (B, 2C): summed and divided by n, the
+    moments behind feature-norm=private (``common.feature_norm``; clipped to feature-norm-clip, the sensitivity).
+    Touches no parameter."""
+    from .feature_norm import channel_moments
+
+    return channel_moments(x).to(flat.dtype)
+
+
 @register_quantity("group-onehot")
 @uses_groups
 def group_onehot(model, flat, scalar, x, y, problem, extra=(), groups=None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, keys_with_role
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
+from ..common.feature_norm import apply_stats
 from ..common.noise_modes import noise_mode
 from ..common.partition import is_node_local
 from ..common.transport import Transport
@@ -237,9 +238,13 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         facts = (plan.delta, plan.n, transport_name, software_versions(), test.source or None)
         write_json(rd.config, {**cfg.to_dict(), **dict(zip(RUN_FACTS, facts, strict=True))})
-        setup = setup_releases.release_all(releaser, cfg, x0, plan.n, test.num_classes, test.num_groups)
+        channels = int(test.x.shape[1]) if test.x.dim() > 1 else 0  # C of the records (feature-norm=private)
+        setup = setup_releases.release_all(releaser, cfg, x0, plan.n, test.num_classes, test.num_groups, channels)
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
+    if setup.feature_stats is not None:  # the released channel statistics: every query carries them to the nodes
+        releaser.feature_norm = setup.feature_stats
+        apply_stats(plan.model.module, setup.feature_stats)
     run = TrainingRun(plan, rd, test, releaser, setup, state, rows, resume,
                       wall=lambda: wall_before + time.perf_counter() - start, selected=selected)
     return run, lost

@@ -125,6 +125,7 @@ class Releaser:
         self.cfg, self.transport, self.ledger, self.n, self.rd = cfg, transport, ledger, n, rd
         self.sum_factor = sum_rounding_factor(n)
         self.offset: tuple[float, ...] = ()
+        self.feature_norm: tuple[float, ...] = ()  # feature-norm=private: the released channel statistics
         self.monitor = NoiseMonitor()
         self.server_ledger = Ledger(ledger.plan, ledger.noise, ledger.epsilon, ledger.delta, ledger.accountant,
                                     ledger.node_rate, ledger.ddg)
@@ -146,8 +147,8 @@ class Releaser:
         self.leaked: list[np.ndarray] = []
 
     def decorate(self, q: Query, *, diagnostics: bool = True) -> Query:
-        """``q`` with the run's logit offset, the clipped-count coordinate (private training releases) and
-        the noise std each client adds in this noise mode."""
+        """``q`` with the run's logit offset and feature statistics, the clipped-count coordinate (private training
+        releases) and the noise std each client adds in this noise mode."""
         cfg = self.cfg
         diagnostics = diagnostics and q.quantity != EVAL_QUANTITY  # a node evaluation's counts are never clipped
         counted = cfg.private and diagnostics and math.isfinite(q.clip) and not q.count_only
@@ -157,7 +158,7 @@ class Releaser:
             q = dataclasses.replace(q, rate=cfg.node_sampling_rate)
             if q.mechanism in self.local_mechanisms and len(q.points) == 1:  # local-epochs > 0 (ALGORITHMS.md 5.9)
                 q = dataclasses.replace(q, local=(float(cfg.local_epochs), cfg.local_lr, float(cfg.local_batch)))
-        q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale)
+        q = dataclasses.replace(q, offset=self.offset, count_scale=count_scale, feature_norm=self.feature_norm)
         z = self.ledger.noise_multiplier(q.mechanism) if cfg.private else 0.0
         share = self.mode.client_noise_std(z, self.noise_sensitivity(q), self.shares)
         if self.ledger.ddg is not None and z > 0:

@@ -19,6 +19,7 @@ from ..common import ddg
 from ..common.batches import fitted_to_n, over_n
 from ..common.config import AUTO, Config, ConfigError, field_by_key
 from ..common.ddg import DdgGeometry
+from ..common.feature_norm import norm_modules
 from ..common.model_fix import fix_model
 from ..common.model_init import InitialModel, prepare_model
 from ..common.models import check_per_record, make_model, resolve_model, validate_model
@@ -161,6 +162,10 @@ def plan_training(cfg: Config, n: int, num_classes: int, num_groups: int, input_
                                                         cfg.model_fix)
     initial = prepare_model(base, cfg.init_weights, cfg.trainable)  # before calibration: dim is the trainable count
     model = FlatModel(base)
+    if cfg.feature_norm == "private" and not norm_modules(base):
+        raise ConfigError(f"config key 'feature-norm': got 'private' with model {cfg.model!r}, which has no "
+                          "ScatterNorm input layer to take the released statistics; allowed there: 'groupnorm' (or "
+                          "model scatter-linear or scatter-cnn)")
     check_groups(cfg, num_groups)
     algo = make_algorithm(cfg, n, model.dim, num_classes, num_groups)
     check_local_steps(cfg, [m.name for m in algo.mechanisms()])

@@ -15,7 +15,12 @@ run's ledger like every other release.
   loss is logit-adjusted); the sum gets N(0, (z_e B)^2), z_e = eta-init-noise-multiplier, and
   eta_0 = (noisy sum / n) / eta-scale. For chi2 this is the optimal eta whenever every DRO weight is positive.
 
-Both are unsampled (rate 1) Gaussian releases with fixed multipliers: calibration leaves them as they are
+- 'feature-moments' (feature-norm=private): every record contributes its per-channel means of x and x^2 (2C,),
+  clipped to feature-norm-clip (the sensitivity); the sum gets N(0, (z_f C_f)^2 I_2C), z_f =
+  feature-norm-noise-multiplier; the channel means and inverse standard deviations of the scattering models' input
+  normalisation follow by post-processing (``common.feature_norm``).
+
+All are unsampled (rate 1) Gaussian releases with fixed multipliers: calibration leaves them as they are
 and scales the training mechanisms so that the whole run still lands on the target epsilon. They run in two
 stages (the loss of eta-init needs the priors).
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..common import feature_norm
 from ..common.messages import Point, Query
 from .ledger import Mechanism
 
@@ -41,7 +47,8 @@ class SetupResult:
     from ('private', 'public' or 'none'), ``eta0`` (None: the configured eta-init is used), ``group_priors``
     (G,) of the declared group attribute or of the nodes (None unless dro-groups=attribute or node), and
     ``counts`` (K,) and ``group_counts`` (G,): the released noisy class and group counts (sum of one-hot labels
-    plus the Gaussian noise; exact without privacy), None when no histogram was released. Reporting them is
+    plus the Gaussian noise; exact without privacy), None when no histogram was released; ``feature_stats`` (2C,):
+    the channel means and inverse standard deviations of feature-norm=private (None otherwise). Reporting them is
     post-processing of the release the ledger charged."""
 
     priors: tuple[float, ...] | None = None
@@ -50,6 +57,7 @@ class SetupResult:
     group_priors: tuple[float, ...] | None = None
     counts: tuple[float, ...] | None = None
     group_counts: tuple[float, ...] | None = None
+    feature_stats: tuple[float, ...] | None = None
 
     def dro_priors(self, cfg) -> tuple[float, ...] | None:
         """The priors of dro-level=group's groups: the group attribute's or the classes'."""
@@ -68,7 +76,7 @@ class SetupResult:
 
         return {"priors": listed(self.priors), "prior_source": self.prior_source, "eta0": self.eta0,
                 "group_priors": listed(self.group_priors), "counts": listed(self.counts),
-                "group_counts": listed(self.group_counts)}
+                "group_counts": listed(self.group_counts), "feature_stats": listed(self.feature_stats)}
 
     @classmethod
     def from_json(cls, d: dict) -> SetupResult:
@@ -77,7 +85,7 @@ class SetupResult:
             return tuple(d[key]) if d.get(key) is not None else None
 
         return cls(tupled("priors"), d.get("prior_source", "none"), d.get("eta0"), tupled("group_priors"),
-                   tupled("counts"), tupled("group_counts"))
+                   tupled("counts"), tupled("group_counts"), tupled("feature_stats"))
 
 
 def mechanisms(cfg) -> dict[Mechanism, int]:
@@ -89,13 +97,16 @@ def mechanisms(cfg) -> dict[Mechanism, int]:
         out[Mechanism(GROUP_HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
     if cfg.private_eta_init:
         out[Mechanism(ETA_INIT, 1.0, fixed_noise=cfg.eta_init_noise_multiplier)] = 1
+    if cfg.feature_norm == "private":
+        out[Mechanism(feature_norm.MOMENTS, 1.0, fixed_noise=cfg.feature_norm_noise_multiplier)] = 1
     return out
 
 
-def stages(cfg, num_classes: int, num_groups: int = 0) -> list[list[Query]]:
-    """The setup queries in order: [histograms], then [eta-init]; each at model version 0 (x_0). Without
-    privacy (epsilon=inf) the histograms are still taken (exact counts, nothing to protect). ``num_groups``: G of
-    the declared group attribute (used with dro-groups=attribute)."""
+def stages(cfg, num_classes: int, num_groups: int = 0, channels: int = 0) -> list[list[Query]]:
+    """The setup queries in order: [histograms, feature moments], then [eta-init]; each at model version 0 (x_0).
+    Without privacy (epsilon=inf) the histograms and moments are still taken (exact, nothing to protect).
+    ``num_groups``: G of the declared group attribute (used with dro-groups=attribute); ``channels``: C of the
+    records (x.shape[1]; used with feature-norm=private)."""
     out, histograms = [], []
     clip = cfg.clip(1.0)
     if cfg.uses_priors and cfg.class_prior == "private":
@@ -105,6 +116,9 @@ def stages(cfg, num_classes: int, num_groups: int = 0) -> list[list[Query]]:
         g = cfg.dro_group_count(num_classes, num_groups)  # the attribute's G, or num-clients (dro-groups=node)
         histograms.append(Query(0, GROUP_HISTOGRAM, "group-onehot", (Point(0, 0.0),), 1.0, clip, g,
                                 extra=(0.0,) * g))
+    if cfg.feature_norm == "private":  # before eta-init, whose loss reads the normalised features
+        histograms.append(Query(0, feature_norm.MOMENTS, feature_norm.QUANTITY, (Point(0, 0.0),), 1.0,
+                                cfg.clip(cfg.feature_norm_clip), 2 * channels))
     if histograms:
         out.append(histograms)
     if cfg.private_eta_init:
@@ -141,18 +155,23 @@ def absorb(result: SetupResult, released: dict[str, np.ndarray], n: int, cfg) ->
     if GROUP_HISTOGRAM in released:
         counts = np.asarray(released[GROUP_HISTOGRAM], dtype=np.float64) * n
         result = replace(result, group_priors=priors_from_counts(counts), group_counts=tuple(float(c) for c in counts))
+    if feature_norm.MOMENTS in released:
+        result = replace(result, feature_stats=feature_norm.stats_from_moments(released[feature_norm.MOMENTS]))
     if ETA_INIT in released:
         mean_loss = float(released[ETA_INIT][0])
         result = replace(result, eta0=mean_loss / cfg.eta_scale)
     return result
 
 
-def release_all(releaser, cfg, x0: np.ndarray, n: int, num_classes: int, num_groups: int = 0) -> SetupResult:
-    """Run every setup stage through ``releaser`` (server/releaser.py's Releaser: its ``offset`` and ``run``) at
-    the initial parameters x0 (d,) float64, each stage with the prediction offset of the result so far, and fold
-    the released means into one SetupResult (n: training records, public). Each stage is a charged release."""
+def release_all(releaser, cfg, x0: np.ndarray, n: int, num_classes: int, num_groups: int = 0,
+                channels: int = 0) -> SetupResult:
+    """Run every setup stage through ``releaser`` (server/releaser.py's Releaser: its ``offset``, ``feature_norm``
+    and ``run``) at the initial parameters x0 (d,) float64, each stage with the prediction offset and feature
+    statistics of the result so far, and fold the released means into one SetupResult (n: training records,
+    public; channels: C of the records). Each stage is a charged release."""
     setup = initial(cfg, num_classes)
-    for stage in stages(cfg, num_classes, num_groups):
+    for stage in stages(cfg, num_classes, num_groups, channels):
         releaser.offset = setup.offset(cfg.tau)
+        releaser.feature_norm = setup.feature_stats or ()
         setup = absorb(setup, releaser.run(stage, {0: x0}, setup=True), n, cfg)
     return setup

@@ -220,7 +220,8 @@ KEYS_ADDED_LATER = {"block-order": "sequential", "reproducible-for-testing": Fal
                     "node-sampling-rate": 1.0, "privacy-unit": "record", "momentum": 0.0,
                     "checkpoint-select": "last", "ddg-bits": "auto",
                     "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse", "local-epochs": 0,
-                    "local-lr": 0.05, "local-batch": 16}
+                    "local-lr": 0.05, "local-batch": 16, "feature-norm": "groupnorm", "feature-norm-clip": 1.0,
+                    "feature-norm-noise-multiplier": 8.0}
 # Keys that change only what a run states about itself (the summary's not_accounted), never what it computes: left
 # out of the fingerprint at every value.
 STATEMENT_KEYS = ("chosen-on-private-data",)

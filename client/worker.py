@@ -287,10 +287,12 @@ def node_contribution(total: torch.Tensor, num_records: int, clip: float) -> tor
     """A node's contribution under privacy-unit=node (server/node_sampling.py): ``total`` (D,) float64, the sum of
     its records' clipped vectors, divided by its record count (a mean over its shard; 0 for an empty shard) and
     clipped to L2 norm at most ``clip`` as one vector (``per_sample.clip_scales``: rounding included, never above
-    ``clip``). ``clip`` inf (non-private) leaves the mean unclipped."""
+    ``clip``; a vector with a non-finite entry becomes 0). ``clip`` inf (non-private) leaves the mean unclipped."""
     mean = total / max(num_records, 1)
     if not math.isfinite(clip):
         return mean
+    if not bool(torch.isfinite(mean).all()):  # e.g. local steps that diverged: the zero vector, within any clip
+        return torch.zeros_like(mean)
     scale, _ = clip_scales(mean.unsqueeze(0), clip)
     return mean * scale[0]
 

@@ -197,6 +197,8 @@ def test_a_node_contribution_is_its_mean_clipped_as_one_vector():
     clipped = node_contribution(total, 10, 1.0)
     assert float(torch.linalg.vector_norm(clipped)) <= 1.0 and float(clipped[0]) == pytest.approx(0.6)
     assert torch.equal(node_contribution(total * 0, 0, 1.0), torch.zeros(2, dtype=torch.float64))
+    diverged = torch.tensor([float("nan"), 1.0], dtype=torch.float64)  # e.g. local steps that blew up
+    assert torch.equal(node_contribution(diverged, 1, 1.0), torch.zeros(2, dtype=torch.float64))
 
 
 

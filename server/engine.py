@@ -119,7 +119,7 @@ def evaluation_line(row: dict, split: str = "test") -> str:
     if "test_accuracy_se" in row:  # eval-data=nodes: noisy counts, each figure with its standard error
         return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
             node_evaluation.metrics_text(row)
-    group = worst_group_words(row).replace(",", " ", 1)
+    group = worst_group_words(row, sep="  ")
     if "worst_node_accuracy" in row:  # dro-groups=node
         group += (f"  worst-node accuracy {row['worst_node_accuracy']:.4f} (spread "
                   f"{row['node_accuracy_spread']:.4f})")

@@ -42,14 +42,14 @@ def group_metrics(correct: np.ndarray, groups: np.ndarray, num_groups: int) -> d
             "worst_group_records": min(tied)}
 
 
-def worst_group_words(figures: dict) -> str:
-    """', worst-group accuracy A (N records)' for a summary, metrics row or ``group_metrics`` dict with a worst
-    group, '' without one (the record count is left out for summaries written before it was recorded)."""
+def worst_group_words(figures: dict, sep: str = ", ") -> str:
+    """``sep`` + 'worst-group accuracy A (N records)' for a summary, metrics row or ``group_metrics`` dict with a
+    worst group, '' without one (the record count is left out for summaries written before it was recorded)."""
     if "worst_group_accuracy" not in figures:
         return ""
     n = figures.get("worst_group_records")
     records = f" ({n} records)" if n is not None else ""
-    return f", worst-group accuracy {figures['worst_group_accuracy']:.4f}{records}"
+    return f"{sep}worst-group accuracy {figures['worst_group_accuracy']:.4f}{records}"
 
 
 def node_of_records(data, labels: np.ndarray) -> np.ndarray:

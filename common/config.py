@@ -231,7 +231,8 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("local-epochs", "int", 0, "privacy-unit=node only: each sampled node runs this many epochs of local SGD "
           "on its shard from the broadcast model and sends its model update x_0 - x_K, clipped to clip-x as one "
           "vector, in place of its mean gradient (DP-FedAvg, McMahan et al. 2018; the same sensitivity and ledger; "
-          "docs/explanation/ALGORITHMS.md 5.9). With lr-x 1 and momentum 0 the server step is FedAvg's. 0: off.",
+          "docs/explanation/ALGORITHMS.md 5.9). With lr-x 1 and momentum 0 the server step is FedAvg's. Needs q = 1 "
+          "with the SPIDER methods (dp-double-spider; recursive-spider at dro-level=group). 0: off.",
           low=0, high=1000, role="algorithm"),
     Field("local-lr", "float", 0.05, "Step size of a node's local SGD (local-epochs > 0).", low=0.0, low_open=True,
           high=1e6, role="algorithm"),

@@ -31,7 +31,7 @@ from .algorithms import Algorithm, make_algorithm
 from .allocation import allocate
 from .ledger import ACCOUNTANTS, Mechanism, auto_delta, calibrate, check_delta, epsilon_of
 from .model_files import describe_module_class
-from .node_sampling import check_local_steps, check_node_noise, ledger_node_rate, unit_plan
+from .node_sampling import check_local_steps, check_node_noise, ledger_node_rate, local_step_mechanisms, unit_plan
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +232,10 @@ def describe_plan(plan: RunPlan) -> dict:
     model (factory, module_class, dtype, parameters, trainable_parameters, trainable, init_weights); problem
     (num_classes, num_groups, dro: whether the algorithm optimises a DRO objective, keys: every config key the
     algorithm reads with its value); releases (name, count, sampling_rate, noise_multiplier, in plan order) and
-    planned_epsilon (``planned_epsilon``); epsilon_split (``epsilon_split``: evaluations and training apart, when
-    the run evaluates on the nodes); with noise-mode=distributed-discrete, ddg (``describe_ddg``). Reads only what the
-    plan decided: releases nothing."""
+    planned_epsilon (``planned_epsilon``); unit (privacy_unit, node_sampling_rate, num_clients, local_steps: the
+    local SGD of local-epochs and the releases it replaces, or None); epsilon_split (``epsilon_split``: evaluations
+    and training apart, when the run evaluates on the nodes); with noise-mode=distributed-discrete, ddg
+    (``describe_ddg``). Reads only what the plan decided: releases nothing."""
     cfg, algo = plan.cfg, plan.algo
     values = cfg.to_dict()
     return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
@@ -247,4 +248,9 @@ def describe_plan(plan: RunPlan) -> dict:
             "releases": [{"name": m.name, "count": k, "sampling_rate": m.rate, "noise_multiplier": plan.noise[m.name]}
                          for m, k in plan.releases.items()],
             "planned_epsilon": planned_epsilon(plan), "epsilon_split": epsilon_split(plan),
+            "unit": {"privacy_unit": cfg.privacy_unit, "node_sampling_rate": cfg.node_sampling_rate,
+                     "num_clients": cfg.num_clients,
+                     "local_steps": ({"epochs": cfg.local_epochs, "lr": cfg.local_lr, "batch": cfg.local_batch,
+                                      "releases": list(local_step_mechanisms(cfg))}
+                                     if local_step_mechanisms(cfg) else None)},
             **({"ddg": describe_ddg(plan)} if plan.ddg is not None else {})}

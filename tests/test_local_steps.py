@@ -119,3 +119,17 @@ def test_combinations_without_a_meaning_are_refused_before_any_work():
     plan = plan_training(Config.from_mapping({**node, "algorithm": "recursive-spider", "dro-level": "group",
                                               "iterations": 20, "q": 1}), 1000, K, 0, (1, 28, 28))
     assert math.isfinite(plan.noise["x-refresh"])
+
+
+def test_the_plan_states_the_unit_and_the_local_steps():
+    from dpdro.server.run_plan import describe_plan, plan_training
+
+    cfg = Config.from_mapping({"algorithm": "dp-sgd", "privacy-unit": "node", "num-clients": 100,
+                               "node-sampling-rate": 0.2, "local-epochs": 2, "local-lr": 0.1, "local-batch": 8,
+                               "eval-data": "server", "iterations": 20})
+    unit = describe_plan(plan_training(cfg, 1000, K, 0, (1, 28, 28)))["unit"]
+    assert unit == {"privacy_unit": "node", "node_sampling_rate": 0.2, "num_clients": 100,
+                    "local_steps": {"epochs": 2, "lr": 0.1, "batch": 8, "releases": ["grad"]}}
+    record = describe_plan(plan_training(cfg.with_updates({"privacy-unit": "record", "local-epochs": 0}), 1000, K, 0,
+                                         (1, 28, 28)))["unit"]
+    assert record["privacy_unit"] == "record" and record["local_steps"] is None

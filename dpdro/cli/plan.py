@@ -102,6 +102,15 @@ def run(args: argparse.Namespace) -> int:
     print(textwrap.fill(f"problem: {problem['num_classes']} classes{groups}, "
                         f"{'DRO' if problem['dro'] else 'average'} loss; "
                         + ", ".join(f"{k}={v}" for k, v in problem["keys"].items()), 118, subsequent_indent="  "))
+    u = p["unit"]
+    if u["privacy_unit"] == "node" or u["node_sampling_rate"] < 1:
+        unit = ("node (one node's whole data; delta against the nodes)" if u["privacy_unit"] == "node"
+                else "record")
+        local = u["local_steps"]
+        steps = (f"; local steps: {local['epochs']} epoch(s) of SGD at step {local['lr']:g} in batches of "
+                 f"{local['batch']} on {', '.join(local['releases'])}" if local else "")
+        print(f"privacy unit: {unit}, {u['num_clients']} nodes, node sampling rate {u['node_sampling_rate']:g} "
+              f"({u['node_sampling_rate'] * u['num_clients']:.3g} expected a release){steps}")
     print(f"{'release':<16}{'count':>7}{'sampling rate':>15}{'noise multiplier':>18}")
     for r in p["releases"]:
         print(f"{r['name']:<16}{r['count']:>7}{r['sampling_rate']:>15.4g}{r['noise_multiplier']:>18.4f}")

@@ -625,6 +625,11 @@ class Config:
             raise ConfigError(f"config key 'local-epochs': got {self.local_epochs} with privacy-unit="
                               f"{self.privacy_unit!r}; allowed there: 0 only (a node's update after local steps is "
                               "bounded as one vector, not per record); use privacy-unit=node or local-epochs=0")
+        q = getattr(self.params, "q", 1)
+        if self.local_epochs > 0 and q != 1:  # a SPIDER difference is in gradient units, a local update is not
+            raise ConfigError(f"config key 'local-epochs': got {self.local_epochs} with q = {q}; allowed there: q = 1 "
+                              "only (a refresh every iteration: the SPIDER differences estimate gradients, which a "
+                              "node's local update is not, so the two cannot be summed)")
         expected = self.node_sampling_rate * self.num_clients
         if self.privacy_unit == "node" and expected < MIN_EXPECTED_NODES:
             raise ConfigError(

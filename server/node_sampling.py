@@ -157,16 +157,11 @@ def check_local_steps(cfg, mechanisms: Iterable[str]) -> None:
     """local-epochs > 0, before any work: refuse (ConfigError naming the key, the algorithm and what is allowed) a run
     none of whose ``mechanisms`` (the names of its algorithm's releases) a node could answer with a local update, so
     that the key never silently does nothing (e.g. recursive-spider at dro-level=record, whose model release is the
-    compositional v/u), or one with SPIDER differences (q > 1)."""
+    compositional v/u). (q > 1 with local steps is refused by Config validation.)"""
     from ..common.algorithm_specs import ALGORITHM_SPECS
 
     if cfg.privacy_unit != "node" or cfg.local_epochs == 0:
         return
-    q = getattr(cfg.params, "q", 1)
-    if q != 1:  # a SPIDER difference is in gradient units, a local update in units of local-lr x steps
-        raise ConfigError(f"config key 'local-epochs': got {cfg.local_epochs} with q = {q}; allowed there: q = 1 only "
-                          "(a refresh every iteration: the SPIDER differences estimate gradients, which a node's local "
-                          "update is not, so the two cannot be summed)")
     if set(local_step_mechanisms(cfg)) & set(mechanisms):
         return
     allowed = [n for n, s in ALGORITHM_SPECS.items() if s.local_steps]

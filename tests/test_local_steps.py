@@ -109,9 +109,10 @@ def test_combinations_without_a_meaning_are_refused_before_any_work():
     node = {"privacy-unit": "node", "num-clients": 20, "local-epochs": 1, "eval-data": "server"}
     with pytest.raises(ConfigError, match="'local-epochs': got 1 with privacy-unit='record'"):
         Config.from_mapping({"local-epochs": 1})
+    with pytest.raises(ConfigError, match="'local-epochs': got 1 with q = 4; allowed there: q = 1"):
+        Config.from_mapping({**node, "algorithm": "dp-double-spider", "q": 4})  # before any data is read
     for keys, match in (({"algorithm": "dp-sgd-dual"}, "algorithm 'dp-sgd-dual'"),
-                        ({"algorithm": "recursive-spider", "dro-level": "record", "q": 1}, "dro-level='record'"),
-                        ({"algorithm": "dp-double-spider", "q": 4}, "q = 4")):
+                        ({"algorithm": "recursive-spider", "dro-level": "record", "q": 1}, "dro-level='record'")):
         cfg = Config.from_mapping({**node, **keys})
         with pytest.raises(ConfigError, match=f"'local-epochs'.*{match}"):
             plan_training(cfg, 1000, K, 0, (1, 28, 28))

@@ -279,7 +279,7 @@ OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head", "eval-data": "
 # Keys whose other value needs another key changed with it (features=scatternet needs a scatter model); the
 # fingerprint is compared against the configuration with those companions alone where it is valid without the key.
 WITH = {"features": {"model": "scatter-linear"}, "privacy-unit": {"num-clients": 10},
-        "local-epochs": {"privacy-unit": "node", "num-clients": 10},
+        "local-epochs": {"privacy-unit": "node", "num-clients": 10, "q": 1},
         "feature-norm": {"features": "scatternet", "model": "scatter-linear"},
         "checkpoint-select": {"eval-split": "validation", "validation-fraction": 0.1}}
 

@@ -51,6 +51,12 @@ def norm_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, ScatterNorm)]
 
 
+def channels(module: nn.Module) -> int:
+    """C of the module's input normalisation (its first ScatterNorm's channel count); 0 without one."""
+    layers = norm_modules(module)
+    return int(layers[0].mean.numel()) if layers else 0
+
+
 def apply_stats(module: nn.Module, stats: tuple[float, ...]) -> None:
     """Fix every ScatterNorm of ``module`` to ``stats`` (2C,: means then inverse stds, ``stats_from_moments``), in
     place, in the module's dtype. ValueError when the module has no ScatterNorm or a layer's channel count is not

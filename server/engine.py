@@ -26,7 +26,7 @@ from torch import nn
 from ..common.config import SEEDED_NOT_PRIVATE, Config, ConfigError, PrivacyConfig, keys_with_role
 from ..common.data import ArrayDataset
 from ..common.errors import DpdroError, Stopped
-from ..common.feature_norm import apply_stats
+from ..common.feature_norm import apply_stats, channels
 from ..common.noise_modes import noise_mode
 from ..common.partition import is_node_local
 from ..common.transport import Transport
@@ -238,8 +238,8 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
         rd.clear()  # empty unless overwrite was asked for (check_out_dir)
         facts = (plan.delta, plan.n, transport_name, software_versions(), test.source or None)
         write_json(rd.config, {**cfg.to_dict(), **dict(zip(RUN_FACTS, facts, strict=True))})
-        channels = int(test.x.shape[1]) if test.x.dim() > 1 else 0  # C of the records (feature-norm=private)
-        setup = setup_releases.release_all(releaser, cfg, x0, plan.n, test.num_classes, test.num_groups, channels)
+        setup = setup_releases.release_all(releaser, cfg, x0, plan.n, test.num_classes, test.num_groups,
+                                           channels(plan.model.module))
         state = algo.start_state(x0, setup.eta0, setup.dro_priors(cfg))
     releaser.offset = setup.offset(cfg.tau)
     if setup.feature_stats is not None:  # the released channel statistics: every query carries them to the nodes

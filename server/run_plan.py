@@ -238,6 +238,7 @@ def describe_plan(plan: RunPlan) -> dict:
     (``describe_ddg``). Reads only what the plan decided: releases nothing."""
     cfg, algo = plan.cfg, plan.algo
     values = cfg.to_dict()
+    local = local_step_mechanisms(cfg)
     return {"algorithm": cfg.algorithm, "dataset": cfg.dataset, "n": plan.n, "fitted": list(plan.notes),
             "iterations": cfg.iterations, "epsilon_target": cfg.epsilon, "delta": plan.delta,
             "accountant": cfg.accountant, "noise_mode": cfg.noise_mode,
@@ -251,6 +252,5 @@ def describe_plan(plan: RunPlan) -> dict:
             "unit": {"privacy_unit": cfg.privacy_unit, "node_sampling_rate": cfg.node_sampling_rate,
                      "num_clients": cfg.num_clients,
                      "local_steps": ({"epochs": cfg.local_epochs, "lr": cfg.local_lr, "batch": cfg.local_batch,
-                                      "releases": list(local_step_mechanisms(cfg))}
-                                     if local_step_mechanisms(cfg) else None)},
+                                      "releases": list(local)} if local else None)},
             **({"ddg": describe_ddg(plan)} if plan.ddg is not None else {})}

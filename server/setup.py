@@ -106,7 +106,7 @@ def stages(cfg, num_classes: int, num_groups: int = 0, channels: int = 0) -> lis
     """The setup queries in order: [histograms, feature moments], then [eta-init]; each at model version 0 (x_0).
     Without privacy (epsilon=inf) the histograms and moments are still taken (exact, nothing to protect).
     ``num_groups``: G of the declared group attribute (used with dro-groups=attribute); ``channels``: C of the
-    records (x.shape[1]; used with feature-norm=private)."""
+    model's input normalisation (``feature_norm.channels``; used with feature-norm=private)."""
     out, histograms = [], []
     clip = cfg.clip(1.0)
     if cfg.uses_priors and cfg.class_prior == "private":
@@ -168,7 +168,8 @@ def release_all(releaser, cfg, x0: np.ndarray, n: int, num_classes: int, num_gro
     """Run every setup stage through ``releaser`` (server/releaser.py's Releaser: its ``offset``, ``feature_norm``
     and ``run``) at the initial parameters x0 (d,) float64, each stage with the prediction offset and feature
     statistics of the result so far, and fold the released means into one SetupResult (n: training records,
-    public; channels: C of the records). Each stage is a charged release."""
+    public; channels: C of the model's input normalisation, ``feature_norm.channels``). Each stage is a charged
+    release."""
     setup = initial(cfg, num_classes)
     for stage in stages(cfg, num_classes, num_groups, channels):
         releaser.offset = setup.offset(cfg.tau)

@@ -177,3 +177,15 @@ def test_dropout_policies():
         ddg.check_shares(4, 0, "charge")
     with pytest.raises(ValueError, match="'refuse' or 'charge'"):
         ddg.check_shares(4, 3, "ignore")
+
+
+def test_plan_grid_shows_the_general_bound_costs_least_at_small_rates():
+    """simulations/ddg_cost.py --grid: one row per plan; the DDG never needs less noise than the central Gaussian
+    (PLD) at the same plan, is within 25 % of it at a small rate and loosest at the largest rate (Zhu and Wang's
+    general subsampling bound is nearly tight only where q is small)."""
+    from dpdro.simulations.ddg_cost import plan_grid
+    rows = plan_grid(30_018, [256, 4096], [100], 4.0, 3.3e-6, 26_106, 4)
+    assert len(rows) == 2 + 2 and rows[0].startswith("| releases |")
+    ratios = [float(r.split("|")[6]) for r in rows[2:]]
+    assert all(r >= 1.0 for r in ratios)
+    assert ratios[0] <= 1.25 and ratios[1] > 1.5 * ratios[0]

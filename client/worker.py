@@ -25,6 +25,7 @@ from ..common.messages import UNDISCLOSED, Query, Reply
 from ..common.model_fix import fix_model
 from ..common.model_init import prepare_model
 from ..common.models import make_model, resolve_model, validate_model
+from ..common.partition import site_of
 from ..common.per_sample import FlatModel, OuterRows, RowBlocks, clip_scales, clipped_sum_and_count, combine_outer
 from ..common.quantities import QUANTITIES, Problem
 from ..common.rng import gaussian_noise, site_rng
@@ -115,11 +116,14 @@ class ShardWorker:
 
     def _groups(self, problem: Problem) -> torch.Tensor:
         """Each record's group (N,) int64: its class, its node (dro-groups=node: this shard's partition id, in
-        [0, num-clients), for every record), or its declared group attribute (ValueError without one)."""
+        [0, num-clients), for every record), its node's site (dro-groups=site: ``common.partition.site_of``) or its
+        declared group attribute (ValueError without one)."""
         if problem.group_by == "class":
             return self.y
         if problem.group_by == "node":
             return torch.full_like(self.y, self.partition)
+        if problem.group_by == "site":
+            return torch.full_like(self.y, site_of(self.partition, self.cfg.num_clients, self.cfg.num_sites))
         if self.groups is None:
             raise ValueError("dro-groups='attribute': this client's data set declares no group attribute")
         return self.groups

@@ -226,11 +226,12 @@ _BOUNDED_LOSS_PARAMS = (
     param("dro-groups", "str", "class", "The groups of dro-level=group and of dp-sgda: 'class' (the K classes), "
           "'attribute' (the data set's declared group attribute, e.g. CelebA's 4 groups 2 * Blond_Hair + Male; a data "
           "set without one is refused) or 'node' (the m = num-clients nodes, each record's group its node's index: "
-          "the worst-off node, agnostic federated learning, Mohri et al. 2019; needs num-clients >= 2). With "
-          "dro-level=group, 'attribute' and 'node' release a histogram of the groups before training "
+          "the worst-off node, agnostic federated learning, Mohri et al. 2019; needs num-clients >= 2) or 'site' "
+          "(the num-sites sites, each record's group its node's public site label). With dro-level=group, "
+          "'attribute', 'node' and 'site' release a histogram of the groups before training "
           "(prior-noise-multiplier); dp-sgda estimates the group frequencies from its own releases "
           "(docs/explanation/ALGORITHMS.md 3.3).",
-          choices=("class", "attribute", "node"), role="algorithm"),
+          choices=("class", "attribute", "node", "site"), role="algorithm"),
 )
 # The paper methods' group level and DRO weights (dp-double-spider, recursive-spider)
 _GROUP_DRO_PARAMS = (

@@ -163,6 +163,11 @@ CORE_FIELDS: tuple[Field, ...] = (
           choices=_partition_names, role="data"),
     Field("dirichlet-alpha", "float", 0.5, "Concentration of the Dirichlet-by-label partition.",
           low=0.0, low_open=True, high=1e6, role="data"),
+    Field("num-sites", "int", 0, "Number of sites (hospitals, regions) the nodes belong to, a public label: node j's "
+          "site is floor(j * num-sites / num-clients), so nodes are numbered site by site (0: no sites). With "
+          "partition='dirichlet' the label skew is drawn per site (Dirichlet over the sites) and each site's records "
+          "are split at random over its nodes; dro-groups='site' makes the sites the DRO groups "
+          "(docs/explanation/ALGORITHMS.md 3.3).", low=0, high=10_000, role="data"),
     Field("features", "str", "none", "Feature front-end, computed once per record on the node that holds it "
           "(cached in cache-dir): 'none' (the model reads the records) or 'scatternet' (wavelet scattering, "
           "kymatio Scattering2D(J=2) as Tramer and Boneh 2021: images (C, H, W) become (81 C, H/4, W/4) features; "
@@ -676,23 +681,28 @@ class Config:
                               "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")
 
     def _check_node_groups(self) -> None:
-        """dro-groups=node needs an algorithm that reads dro-groups at its group level and at least two nodes."""
-        if self.dro_groups != "node":
+        """dro-groups=node or site needs an algorithm that reads dro-groups at its group level and at least two
+        nodes (sites); num-sites, when set, at least 2 and at most num-clients (every site holds a node)."""
+        if self.num_sites != 0 and not 2 <= self.num_sites <= self.num_clients:
+            raise ConfigError(f"config key 'num-sites': got {self.num_sites}; allowed: 0 (no sites) or 2 .. "
+                              f"num-clients = {self.num_clients} (every site holds at least one node)")
+        if self.dro_groups not in ("node", "site"):
             return
+        got = f"config key 'dro-groups': got {self.dro_groups!r}"
         spec = ALGORITHM_SPECS[self.algorithm]
         if "dro-groups" not in spec.keys:
             readers = ", ".join(n for n, s in ALGORITHM_SPECS.items() if "dro-groups" in s.keys)
-            raise ConfigError(f"config key 'dro-groups': got 'node' with algorithm {self.algorithm!r}, which has no "
-                              f"group level; allowed with algorithms {readers} (at dro-level=group for the paper "
-                              "methods)")
+            raise ConfigError(f"{got} with algorithm {self.algorithm!r}, which has no group level; allowed with "
+                              f"algorithms {readers} (at dro-level=group for the paper methods)")
         if "dro-level" in spec.keys and not self.group_level:
-            raise ConfigError(f"config key 'dro-groups': got 'node' with dro-level={self.dro_level!r}; allowed only "
-                              "with dro-level='group' (the record level's uncertainty set is over records, not "
-                              "groups)")
-        if self.num_clients < 2:
-            raise ConfigError(f"config key 'dro-groups': got 'node' with num-clients {self.num_clients}; allowed: "
-                              "num-clients >= 2 (with one node the only group is the whole population, which is "
-                              "ERM)")
+            raise ConfigError(f"{got} with dro-level={self.dro_level!r}; allowed only with dro-level='group' (the "
+                              "record level's uncertainty set is over records, not groups)")
+        if self.dro_groups == "node" and self.num_clients < 2:
+            raise ConfigError(f"{got} with num-clients {self.num_clients}; allowed: num-clients >= 2 (with one node "
+                              "the only group is the whole population, which is ERM)")
+        if self.dro_groups == "site" and self.num_sites < 2:
+            raise ConfigError(f"{got} with num-sites {self.num_sites}; allowed: num-sites >= 2 (the sites are the "
+                              "groups: set num-sites to their number)")
 
     def _check_data(self) -> None:
         from .data import DATASETS  # late: data.py imports this module
@@ -795,21 +805,22 @@ class Config:
     @property
     def uses_group_priors(self) -> bool:
         """Whether the run needs the priors of groups other than the classes: dro-level=group with
-        dro-groups=attribute (the declared group attribute) or dro-groups=node (the nodes)."""
-        return self.group_level and self.dro_groups in ("attribute", "node")
+        dro-groups=attribute (the declared group attribute), node (the nodes) or site (the nodes' sites)."""
+        return self.group_level and self.dro_groups in ("attribute", "node", "site")
 
     @property
     def node_groups(self) -> bool:
-        """Whether the run's DRO groups are the nodes (dro-groups=node of an algorithm that reads it at its group
-        level): each record's group is its node's index in [0, num-clients)."""
+        """Whether the run's DRO groups are made of nodes (dro-groups=node or site of an algorithm that reads it at
+        its group level): each record's group is its node's index in [0, num-clients) or its node's site."""
         spec = ALGORITHM_SPECS[self.algorithm]
         reads = "dro-groups" in spec.keys and ("dro-level" not in spec.keys or self.group_level)
-        return reads and self.dro_groups == "node"
+        return reads and self.dro_groups in ("node", "site")
 
     def dro_group_count(self, num_classes: int, num_groups: int) -> int:
-        """The number of DRO groups: num-clients (dro-groups=node), ``num_groups`` (the data set's declared group
-        attribute, dro-groups=attribute) or ``num_classes``."""
-        return {"node": self.num_clients, "attribute": num_groups}.get(self.dro_groups, num_classes)
+        """The number of DRO groups: num-clients (dro-groups=node), num-sites (dro-groups=site), ``num_groups`` (the
+        data set's declared group attribute, dro-groups=attribute) or ``num_classes``."""
+        return {"node": self.num_clients, "site": self.num_sites, "attribute": num_groups}.get(self.dro_groups,
+                                                                                              num_classes)
 
     @property
     def group_level(self) -> bool:

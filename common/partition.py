@@ -32,9 +32,12 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     """Dirichlet-by-label split (Hsu et al. 2019): for each class, shares ~ Dirichlet(alpha 1_m) over the
     clients, and the class's records (shuffled) are cut by those shares.
 
-    Small alpha can make every Gamma draw underflow to 0 (a Dirichlet sample of NaN); such a class then goes
-    wholly to one client drawn uniformly, which is the alpha -> 0 limit of the Dirichlet. Classes with no
-    record are skipped. Raises ValueError for alpha <= 0.
+    Class k's shares are drawn from their own generator (seed, k), apart from the shuffles, so they depend on the
+    seed, the class, m and alpha only: a training and an evaluation split cut with one seed give node j the same
+    label mix (server/evaluate.node_of_records relies on it for per-node accuracy). Small alpha can make every
+    Gamma draw underflow to 0 (a Dirichlet sample of NaN); such a class then goes wholly to one client drawn
+    uniformly, which is the alpha -> 0 limit of the Dirichlet. Classes with no record are skipped. Raises
+    ValueError for alpha <= 0.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
@@ -45,17 +48,56 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for k in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == k))
-        g = rng.standard_gamma(np.full(num_clients, alpha))
-        total = g.sum()
-        if total > 0 and np.isfinite(total):
-            shares = g / total
-        else:
-            shares = np.zeros(num_clients)
-            shares[rng.integers(num_clients)] = 1.0
+        shares = _class_shares(derived_rng(seed, "partition-dirichlet-shares", int(k)), num_clients, alpha)
         cuts = np.round(np.cumsum(shares)[:-1] * len(idx)).astype(np.int64)
         for c, piece in enumerate(np.split(idx, cuts)):
             parts[c].append(piece)
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _class_shares(rng: np.random.Generator, num_clients: int, alpha: float) -> np.ndarray:
+    """One class's shares (m,) ~ Dirichlet(alpha 1_m) from Gamma draws; all of it to one uniform client when every
+    draw underflows (the alpha -> 0 limit)."""
+    g = rng.standard_gamma(np.full(num_clients, alpha))
+    total = g.sum()
+    if total > 0 and np.isfinite(total):
+        return g / total
+    shares = np.zeros(num_clients)
+    shares[rng.integers(num_clients)] = 1.0
+    return shares
+
+
+def site_of(node: int, num_clients: int, num_sites: int) -> int:
+    """Node ``node``'s site in [0, num_sites): floor(node * num_sites / num_clients), so that nodes are numbered site
+    by site and each site holds floor or ceil(num_clients / num_sites) nodes (config key num-sites: a public label,
+    not a function of any record)."""
+    return node * num_sites // num_clients
+
+
+def site_dirichlet_partition(labels: np.ndarray, num_clients: int, num_sites: int, alpha: float,
+                             seed: int) -> list[np.ndarray]:
+    """Label skew by site: ``dirichlet_partition`` over the ``num_sites`` sites, then each site's records, shuffled,
+    cut into near-equal parts over its nodes (``site_of``), so that a site's nodes share its label mix (hospitals
+    whose wards differ by chance, not by kind). Index arrays of the ``num_clients`` nodes, sorted; ValueError for
+    num_sites outside [1, num_clients] or alpha <= 0."""
+    if not 1 <= num_sites <= num_clients:
+        raise ValueError(f"num_sites must be in [1, num_clients = {num_clients}], got {num_sites}")
+    sites = dirichlet_partition(labels, num_sites, alpha, seed)
+    rng = derived_rng(seed, "partition-site-nodes")
+    nodes = np.asarray([site_of(j, num_clients, num_sites) for j in range(num_clients)])
+    parts: list[np.ndarray] = [np.zeros(0, np.int64)] * num_clients
+    for site, idx in enumerate(sites):
+        members = np.flatnonzero(nodes == site)
+        for node, piece in zip(members, np.array_split(rng.permutation(idx), len(members)), strict=True):
+            parts[node] = np.sort(piece).astype(np.int64)
+    return parts
+
+
+def _dirichlet(data, labels: np.ndarray) -> list[np.ndarray]:
+    """partition='dirichlet': by node, or by site when the data section sets num-sites."""
+    if getattr(data, "num_sites", 0):
+        return site_dirichlet_partition(labels, data.num_clients, data.num_sites, data.dirichlet_alpha, data.seed)
+    return dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)
 
 
 @dataclass(frozen=True)
@@ -69,8 +111,7 @@ class Partitioner:
 
 PARTITIONS: Registry[Partitioner] = Registry("partition")
 PARTITIONS.register("iid", Partitioner(lambda data, labels: iid_partition(len(labels), data.num_clients, data.seed)))
-PARTITIONS.register("dirichlet", Partitioner(
-    lambda data, labels: dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)))
+PARTITIONS.register("dirichlet", Partitioner(_dirichlet))
 NODE_LOCAL = "node-local"  # each Flower node trains on the data its node config points at
 PARTITIONS.register(NODE_LOCAL, Partitioner(None))
 

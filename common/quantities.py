@@ -36,7 +36,7 @@ class Problem:
     weight_cap: float = math.inf  # public cap W_cap of every DRO weight (config weight-cap)
     soft_clamp: bool = False  # KL terms of B - softplus(B - l) instead of min(l, B) (loss-clamp=soft)
     offset: torch.Tensor | None = None  # (K,) public logit offset tau log(pi) of the logit-adjusted loss
-    group_by: str = "class"  # the groups of group quantities: 'class' (y), 'attribute' or 'node' (dro-groups)
+    group_by: str = "class"  # the groups of group quantities: 'class' (y), 'attribute', 'node' or 'site' (dro-groups)
 
     @classmethod
     def from_config(cls, cfg) -> Problem:

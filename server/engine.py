@@ -120,9 +120,11 @@ def evaluation_line(row: dict, split: str = "test") -> str:
         return f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} (on the nodes) " + \
             node_evaluation.metrics_text(row)
     group = worst_group_words(row, sep="  ")
-    if "worst_node_accuracy" in row:  # dro-groups=node
+    if "worst_node_accuracy" in row:  # dro-groups=node or site
         group += (f"  worst-node accuracy {row['worst_node_accuracy']:.4f} (spread "
                   f"{row['node_accuracy_spread']:.4f})")
+    if "worst_site_accuracy" in row:  # dro-groups=site
+        group += f"  worst-site accuracy {row['worst_site_accuracy']:.4f}"
     return (f"iteration {row['iteration']:>6}  epsilon {eps_text}  {split} accuracy {row['test_accuracy']:.4f}  "
             f"worst-class accuracy {row['worst_class_accuracy']:.4f}{group}")
 
@@ -261,7 +263,7 @@ def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
     else:
         node_of = _test_nodes(run)
         metrics = evaluate(run.plan.model, x, run.test, run.cfg.training, shift, node_of=node_of,
-                           num_nodes=run.cfg.num_clients)
+                           num_nodes=run.cfg.num_clients, num_sites=run.cfg.num_sites)
         extras = algo.eval_extras(run.state, metrics.pop("losses"))
         if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
             metrics.pop("eval_dro_objective")
@@ -272,8 +274,8 @@ def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
 
 
 def _test_nodes(run: TrainingRun) -> np.ndarray | None:
-    """Each evaluation record's node (server/evaluate.node_of_records) when the run's DRO groups are the nodes
-    (dro-groups=node) and the server evaluates a centrally partitioned split; else None (no per-node figures:
+    """Each evaluation record's node (server/evaluate.node_of_records) when the run's DRO groups are made of nodes
+    (dro-groups=node or site) and the server evaluates a centrally partitioned split; else None (no per-node figures:
     with partition=node-local the server holds no node's records). The server's own split: no release."""
     cfg = run.cfg
     if not cfg.node_groups or is_node_local(cfg.partition):

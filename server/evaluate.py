@@ -66,18 +66,23 @@ def node_of_records(data, labels: np.ndarray) -> np.ndarray:
     return out
 
 
-def node_metrics(correct: np.ndarray, node_of: np.ndarray, num_nodes: int) -> dict:
+def node_metrics(correct: np.ndarray, node_of: np.ndarray, num_nodes: int, num_sites: int = 0) -> dict:
     """Per-node accuracy figures from ``correct`` (N,) bool and ``node_of`` (N,) ints in [0, num_nodes):
     per_node_accuracy (list, NaN for a node with no record), worst_node_accuracy (the minimum) and
-    node_accuracy_spread (maximum minus minimum over the nodes with records)."""
+    node_accuracy_spread (maximum minus minimum over the nodes with records); with ``num_sites`` > 0 also
+    per_site_accuracy and worst_site_accuracy over the nodes' sites (``common.partition.site_of``)."""
     per_node = per_group_accuracy(correct, node_of, num_nodes)
     worst, best = float(np.nanmin(per_node)), float(np.nanmax(per_node))
-    return {"per_node_accuracy": per_node, "worst_node_accuracy": worst, "node_accuracy_spread": best - worst}
+    out = {"per_node_accuracy": per_node, "worst_node_accuracy": worst, "node_accuracy_spread": best - worst}
+    if num_sites > 0:
+        per_site = per_group_accuracy(correct, node_of * num_sites // num_nodes, num_sites)
+        out |= {"per_site_accuracy": per_site, "worst_site_accuracy": float(np.nanmin(per_site))}
+    return out
 
 
 def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
              prediction_shift: np.ndarray | None = None, batch: int = 2048,
-             node_of: np.ndarray | None = None, num_nodes: int = 0) -> dict:
+             node_of: np.ndarray | None = None, num_nodes: int = 0, num_sites: int = 0) -> dict:
     """Metrics of parameters ``flat`` (d,) on ``test``: test_accuracy, worst_class_accuracy,
     per_class_accuracy (list), eval_loss (mean cross-entropy), eval_dro_objective (F on test losses), and
     'losses': the per-record test losses (n_test,) float64 for algorithm-specific objectives, and
@@ -91,7 +96,7 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     adjustment, -tau log pi: Menon et al. 2021, eq. (8)); losses stay those of the unshifted logits.
 
     ``node_of`` (N,) int64, each test record's node in [0, num_nodes) (``node_of_records``), adds ``node_metrics``:
-    per_node_accuracy, worst_node_accuracy, node_accuracy_spread."""
+    per_node_accuracy, worst_node_accuracy, node_accuracy_spread (and with ``num_sites`` the sites' figures)."""
     shift = None if prediction_shift is None else torch.as_tensor(prediction_shift).to(model.dtype)
     p = torch.as_tensor(flat).to(model.dtype)
     losses, preds = [], []
@@ -109,7 +114,7 @@ def evaluate(model: FlatModel, flat: np.ndarray, test: ArrayDataset, objective,
     if test.groups is not None:
         extra = group_metrics(pred == labels, test.groups.numpy(), test.num_groups)
     if node_of is not None:
-        extra |= node_metrics(pred == labels, node_of, num_nodes)
+        extra |= node_metrics(pred == labels, node_of, num_nodes, num_sites)
     return {**extra, "test_accuracy": float((pred == labels).mean()),
             "worst_class_accuracy": float(np.nanmin(per_class)),
             "per_class_accuracy": per_class, "eval_loss": float(loss.mean()), "eval_dro_objective": dro,

@@ -53,7 +53,8 @@ def run_summary(cfg: Config, *, n: int, delta: float, plan: dict, noise: dict[st
         **{k: final[k] for k in ("worst_group_accuracy", "per_group_accuracy", "worst_group_records",
                                   "per_group_records") if k in final},
         # dro-groups=node: the model on each node's part of the server's split (server/evaluate.node_metrics)
-        **{k: final[k] for k in ("worst_node_accuracy", "node_accuracy_spread", "per_node_accuracy") if k in final},
+        **{k: final[k] for k in ("worst_node_accuracy", "node_accuracy_spread", "per_node_accuracy",
+                                 "worst_site_accuracy", "per_site_accuracy") if k in final},
         # eval-data=nodes: where the figures come from and their standard errors (server/node_evaluation.py)
         "eval_data": "nodes" if evaluates_on_nodes(cfg) else "server",
         **{k: final[k] for k in ("test_accuracy_se", "worst_class_accuracy_se", "per_class_accuracy_se") if k in final},

@@ -2,7 +2,7 @@
 coordinate it costs, on MNIST-ST in-process (single node):
 
     nice -n 10 python -m dpdro.simulations.ddg_accuracy [--iterations 100] [--seeds 0] [--root runs/ddg-accuracy]
-        [--refresh-batch B] [--modes central distributed-discrete]
+        [--refresh-batch B] [--modes central distributed-discrete] [--epsilon E]
 
 Runs the main job's configuration (simulations/configs/main.toml: DP-SGD with the logit-adjusted loss, 4 clients,
 epsilon 4) for ``--iterations`` iterations (the noise recalibrated to epsilon 4 over them) in both modes and prints a
@@ -11,7 +11,9 @@ mode: the server sees clipped sums without noise; the DDG's holds against it), t
 (the DDG's from its own accounting, ``common.ddg``), its bits per coordinate (from the run's events), and wall time.
 ``--refresh-batch`` replaces the main job's expected batch (2,048) in every mode: the DDG's subsampling bound is
 loosest at moderate sampling rates (``ddg_cost --grid``), so the plan is a lever of the distributed mode. Every
-figure comes from the runs' summary.json and events.jsonl; finished runs are reused.
+figure comes from the runs' summary.json and events.jsonl; finished runs are reused. ``--epsilon`` replaces the
+target (4): with ``--modes central`` and the epsilon at which the central calibration gives the DDG's multiplier
+(``dpdro plan``), it separates the cost of the DDG's accounting from that of its encoding.
 """
 
 from __future__ import annotations
@@ -63,14 +65,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root", type=Path, default=Path("runs/ddg-accuracy"))
     p.add_argument("--refresh-batch", type=int, default=None, help="expected batch (default: the main job's)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--epsilon", type=float, default=4.0, help="target epsilon of every run (default: 4)")
     a = p.parse_args(argv)
     rows = []
     batch = {} if a.refresh_batch is None else {"refresh-batch": a.refresh_batch}
     tag = "" if a.refresh_batch is None else f"-B{a.refresh_batch}"
+    tag += "" if a.epsilon == 4.0 else f"-eps{a.epsilon:g}"
     for seed in a.seeds:
         for mode in a.modes:
             keys = {**base_keys(), **batch, "iterations": a.iterations, "eval-every": a.iterations,
-                    "noise-mode": mode, "seed": seed}
+                    "noise-mode": mode, "seed": seed, "epsilon": a.epsilon}
             s, events = run_one(keys, (a.root / f"{mode}-T{a.iterations}{tag}-seed{seed}").resolve())
             rows.append((mode, seed, s, events))
     print("\n".join(table(rows)))

@@ -3,7 +3,7 @@ of docs/research/NODES.md ("Node-level privacy against Flower's DP-FedAvg (1,000
 a test.
 
   python -m dpdro.simulations.dp_fedavg --out runs/dp-fedavg [--nodes 1000] [--sampled 30] [--rounds 100] \
-      [--seeds 0 1 2]
+      [--seeds 0 1 2] [--sites 10]
 
 Rows (all at node-level epsilon ``--epsilon`` and delta 1/(10 m) for m nodes; each seed's in OUT/seed-S, and with
 several seeds a table of means and 95 % intervals of the decisive differences, ``seeds_table``):
@@ -16,6 +16,9 @@ several seeds a table of means and 95 % intervals of the decisive differences, `
   of local SGD (Flower's local step size and batch) and sends its model update clipped to Flower's clip
   (``client/local_steps.py``), at ``lr-x = 1`` and no momentum: FedAvg's server step, so dpdro's dp-sgd row is
   DP-FedAvg in dpdro's engine (Poisson node sampling, dpdro's ledger) and differs from Flower's only in the sample.
+- ``dpdro recursive-spider, dro-groups = site, local epochs E`` (``--sites S``): the nodes numbered site by site
+  into S public sites, the label skew drawn per site (``num-sites``, ALGORITHMS.md 3.3, every row's partition then),
+  and the sites as the DRO groups; the table adds the worst site's accuracy.
 - ``Flower DP-FedAvg``: Flower's ``FedAvg`` wrapped in ``DifferentialPrivacyServerSideFixedClipping``
   (``simulations/dpfedavg_app``) on Flower's simulation engine with one SuperNode per node: each round ``sampled``
   nodes drawn uniformly without replacement, each runs ``--fedavg-epochs`` local epochs of SGD from the global model,
@@ -89,7 +92,7 @@ def base_keys(a: argparse.Namespace) -> dict:
     return {"dataset": "mnist-st", "num-clients": a.nodes, "partition": "dirichlet", "dirichlet-alpha": a.alpha,
             "privacy-unit": "node", "node-sampling-rate": a.sampled / a.nodes, "iterations": a.rounds,
             "eval-every": a.rounds, "epsilon": a.epsilon, "seed": a.seed, "threads": 1, "eval-data": "server",
-            "reproducible": False}
+            "reproducible": False, "num-sites": a.sites}
 
 
 def figures(cfg, flat: np.ndarray) -> dict:
@@ -102,10 +105,11 @@ def figures(cfg, flat: np.ndarray) -> dict:
     test = load_from_config(cfg, "test")
     model = flat_model(cfg, test.num_classes, tuple(test.x.shape[1:]))
     m = evaluate(model, flat, test, cfg.training, node_of=node_of_records(cfg.data, test.y.numpy()),
-                 num_nodes=cfg.num_clients)
+                 num_nodes=cfg.num_clients, num_sites=cfg.num_sites)
     per_node = np.asarray(m["per_node_accuracy"], dtype=float)
     return {**{k: m[k] for k in ("test_accuracy", "worst_class_accuracy", "worst_node_accuracy",
-                                 "node_accuracy_spread", "per_node_accuracy")},
+                                 "node_accuracy_spread", "per_node_accuracy", "worst_site_accuracy",
+                                 "per_site_accuracy") if k in m},
             "node_accuracy_p10": float(np.nanpercentile(per_node, 10))}
 
 
@@ -166,13 +170,17 @@ def fedavg_row(a: argparse.Namespace, z: float, lr: float, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
+    """One seed's rows (with sites, a worst-site column)."""
+    sites = all("worst_site_accuracy" in r for r in rows)
     lines = ["| row | epsilon (dpdro's ledger) | noise multiplier | accuracy | worst class | worst node | "
-             "10th-percentile node | node spread | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+             f"10th-percentile node | node spread |{' worst site |' if sites else ''} seconds |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * (1 + sites)]
     for r in rows:
+        site = f" {r['worst_site_accuracy']:.4f} |" if sites else ""
         lines.append(f"| {r['row']} | {r['epsilon']:.3f} | {r['noise_multiplier']:.3f} | {r['test_accuracy']:.4f} | "
                      f"{r['worst_class_accuracy']:.4f} | {r['worst_node_accuracy']:.4f} | "
                      f"{r['node_accuracy_p10']:.4f} | "
-                     f"{r['node_accuracy_spread']:.4f} | {r['seconds']:.0f} |")
+                     f"{r['node_accuracy_spread']:.4f} |{site} {r['seconds']:.0f} |")
     return lines
 
 
@@ -183,34 +191,37 @@ def _median_node(r: dict) -> float:
 SEED_COLUMNS = (("accuracy", lambda r: r["test_accuracy"]), ("worst class", lambda r: r["worst_class_accuracy"]),
                 ("worst node", lambda r: r["worst_node_accuracy"]), ("10th-percentile node",
                                                                      lambda r: r["node_accuracy_p10"]),
-                ("median node", _median_node))
+                ("median node", _median_node), ("worst site", lambda r: r.get("worst_site_accuracy", float("nan"))))
 
 
 def seeds_table(by_seed: dict[int, list[dict]]) -> list[str]:
-    """Mean +/- std over the seeds of every row (same name in each seed's rows), then the two comparisons the issue
-    asks for under the report's interval rule (``tables.verdict``: Welch's 95 % interval of the difference): dpdro's
-    DP-FedAvg (dp-sgd with local steps) against Flower's wrapper, and node groups against none, both with local
-    steps."""
-    from .tables import _mean_std, verdict
+    """Mean +/- std over the seeds of every row (same name in each seed's rows), then the comparisons the issue asks
+    for under the report's interval rule (``tables.verdict``: Welch's 95 % interval of the difference): dpdro's
+    DP-FedAvg (dp-sgd with local steps) against Flower's wrapper, and node groups and site groups (``--sites``)
+    against none, all with local steps."""
+    from .tables import mean_std, verdict
 
     names = list(dict.fromkeys(r["row"] for rows in by_seed.values() for r in rows))
     runs = {n: [r for rows in by_seed.values() for r in rows if r["row"] == n] for n in names}
-    head = " | ".join(c for c, _ in SEED_COLUMNS)
-    lines = [f"| row | seeds | epsilon | {head} |", "|---|---|---|" + "---|" * len(SEED_COLUMNS)]
+    with_sites = all("worst_site_accuracy" in r for rs in runs.values() for r in rs)
+    columns = [(c, get) for c, get in SEED_COLUMNS if c != "worst site" or with_sites]
+    heads = [c for c, _ in columns]
+    lines = [f"| row | seeds | epsilon | {' | '.join(heads)} |", "|---|---|---|" + "---|" * len(columns)]
     for n in names:
         cells = []
-        for _, get in SEED_COLUMNS:
-            m, sd = _mean_std([get(r) for r in runs[n]])
+        for _, get in columns:
+            m, sd = mean_std([get(r) for r in runs[n]])
             cells.append(f"{m:.3f} +/- {sd:.3f}")
         lines.append(f"| {n} | {len(runs[n])} | {max(r['epsilon'] for r in runs[n]):.3f} | {' | '.join(cells)} |")
     fedavg = next((n for n in names if n.startswith("Flower DP-FedAvg")), None)
     local = next((n for n in names if n.startswith("dpdro dp-sgd, local epochs")), None)
     groups = next((n for n in names if n.startswith("dpdro recursive-spider, dro-groups = node, local")), None)
+    sites = next((n for n in names if n.startswith("dpdro recursive-spider, dro-groups = site, local")), None)
     lines.append("")
-    for a_name, b_name in ((local, fedavg), (groups, local)):
+    for a_name, b_name in ((local, fedavg), (groups, local), (sites, local)):
         if a_name is None or b_name is None:
             continue
-        for column, get in SEED_COLUMNS:
+        for column, get in columns:
             if column == "worst class":
                 continue
             lines.append(f"- {a_name} against {b_name}, {column}: "
@@ -239,7 +250,11 @@ def seed_rows(a: argparse.Namespace, out: Path) -> list[dict]:
         rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = node, local epochs {a.local_epochs}",
                               {**local, "algorithm": "recursive-spider", "dro-level": "group", "dro-groups": "node",
                                "q": 1}, out))
-        for r in rows[-2:]:
+        if a.sites:
+            rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = site, local epochs {a.local_epochs}",
+                                  {**local, "algorithm": "recursive-spider", "dro-level": "group",
+                                   "dro-groups": "site", "q": 1}, out))
+        for r in rows[-2 - bool(a.sites):]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
     z = next(r["noise_multiplier"] for r in rows if r["row"].startswith("dpdro dp-sgd"))
     for lr in a.fedavg_lr:
@@ -268,6 +283,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fedavg-epochs", type=int, default=1)
     p.add_argument("--fedavg-batch", type=int, default=16)
     p.add_argument("--fedavg-clip", type=float, default=0.5, help="L2 clip of a node's model update")
+    p.add_argument("--sites", type=int, default=0,
+                   help="public sites the nodes are numbered into (num-sites; every row's partition then skews labels "
+                        "by site) and a row with the sites as DRO groups; 0: none")
     p.add_argument("--local-epochs", type=int, default=1,
                    help="dpdro rows with local-epochs = this (local lr, batch and clip: the first --fedavg-lr, "
                         "--fedavg-batch, --fedavg-clip); 0: none")

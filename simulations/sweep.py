@@ -19,7 +19,7 @@ from pathlib import Path
 from ..common.atomic import atomic_write_text
 from ..common.config import Config, ConfigError
 from ..common.data import DataError, data_missing
-from .tables import LEGACY_DELTA, carried_sentence, delta_words, legacy_mark, write_tuned_report
+from .tables import LEGACY_DELTA, carried_sentence, delta_words, legacy_mark, mean_std, write_tuned_report
 from .tuned import TUNED_CONFIGS, tuned_config_path
 
 log = logging.getLogger(__name__)
@@ -196,13 +196,6 @@ def changed_runs(planned: list[Config]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    import numpy as np
-
-    a = np.asarray(values, dtype=float)
-    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
-
-
 # The defaults before 2026-12-02 (delta = 'auto' meant n^-1.1, server/ledger.py AUTO_DELTA_RULE is today's rule; the
 # accountant was RDP, PLD since): runs made under them are carried, marked, until a run of the same cell replaces
 # them (carried_rows).
@@ -221,7 +214,7 @@ KEYS_ADDED_LATER = {"block-order": "sequential", "reproducible-for-testing": Fal
                     "checkpoint-select": "last", "ddg-bits": "auto",
                     "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse", "local-epochs": 0,
                     "local-lr": 0.05, "local-batch": 16, "feature-norm": "groupnorm", "feature-norm-clip": 1.0,
-                    "feature-norm-noise-multiplier": 8.0}
+                    "feature-norm-noise-multiplier": 8.0, "num-sites": 0}
 # Keys that change only what a run states about itself (the summary's not_accounted), never what it computes: left
 # out of the fingerprint at every value.
 STATEMENT_KEYS = ("chosen-on-private-data",)
@@ -388,9 +381,9 @@ def write_report(root: Path, profile_name: str, docs: Path, configs: Path | None
                 if not rs:
                     continue
                 any_row = True
-                acc, acc_sd = _mean_std([r["test_accuracy"] for r in rs])
-                worst, worst_sd = _mean_std([r["worst_accuracy"] for r in rs])
-                spent, _ = _mean_std([r["epsilon_spent"] for r in rs])
+                acc, acc_sd = mean_std([r["test_accuracy"] for r in rs])
+                worst, worst_sd = mean_std([r["worst_accuracy"] for r in rs])
+                spent, _ = mean_std([r["epsilon_spent"] for r in rs])
                 lines.append(f"| {algo} | {eps:g} | {len(rs)} | {acc:.3f} +/- {acc_sd:.3f}{legacy_mark(rs)} | "
                              f"{worst:.3f} +/- {worst_sd:.3f}{legacy_mark(rs)} | {spent:.3f} |")
         if not any_row:
@@ -515,7 +508,7 @@ def _plot(groups: dict, profile: Profile, folder: Path) -> list[Path]:
             if not pts:
                 continue
             for ax, key in zip(axes, ("test_accuracy", "worst_accuracy"), strict=True):
-                means = [_mean_std([r[key] for r in rs]) for _, rs in pts]
+                means = [mean_std([r[key] for r in rs]) for _, rs in pts]
                 ax.errorbar([e for e, _ in pts], [m for m, _ in means], yerr=[s for _, s in means], marker="o",
                             label=algo, capsize=3)
         for ax in axes:

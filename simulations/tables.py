@@ -29,7 +29,8 @@ PAPER_GOAL = {"dataset": "mnist-st", "epsilon": 4.0, "worst": 0.85, "worst_lower
               "reference": "dp-sgda"}
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; 0 for a single value) of ``values``."""
     import numpy as np
 
     a = np.asarray(values, dtype=float)
@@ -93,7 +94,7 @@ def legacy_mark(rs: list[dict]) -> str:
 
 
 def _cell(rs: list[dict], key: str) -> str:
-    m, s = _mean_std([r[key] for r in rs])
+    m, s = mean_std([r[key] for r in rs])
     return f"{m:.3f} +/- {s:.3f}{legacy_mark(rs)}"
 
 
@@ -123,14 +124,14 @@ def comparison_lines(groups: dict, dataset: str, epsilons, methods) -> list[str]
         base = [(b, groups[(dataset, b, eps)]) for b in BASELINES if (dataset, b, eps) in groups]
         if not base:
             continue
-        name, rs = max(base, key=lambda kv: _mean_std([r["worst_accuracy"] for r in kv[1]])[0])
-        bm, bs = _mean_std([r["worst_accuracy"] for r in rs])
+        name, rs = max(base, key=lambda kv: mean_std([r["worst_accuracy"] for r in kv[1]])[0])
+        bm, bs = mean_std([r["worst_accuracy"] for r in rs])
         parts = []
         for method in methods:
             if method in BASELINES or (dataset, method, eps) not in groups:
                 continue
             worst = [r["worst_accuracy"] for r in groups[(dataset, method, eps)]]
-            d = _mean_std(worst)[0] - bm
+            d = mean_std(worst)[0] - bm
             parts.append(f"{method} {d:+.3f} ({verdict(worst, [r['worst_accuracy'] for r in rs])})")
         out.append(f"- epsilon {eps:g}: strongest simple baseline **{name}** (worst {bm:.3f} +/- {bs:.3f}); "
                    f"DP-DRO methods, difference in mean worst accuracy: {'; '.join(parts) or 'none run'}.")
@@ -140,12 +141,12 @@ def comparison_lines(groups: dict, dataset: str, epsilons, methods) -> list[str]
 def _best(groups: dict, dataset: str, eps: float, methods) -> tuple[str, list[dict]] | None:
     """(method, its rows) of the highest mean worst accuracy among ``methods`` at (dataset, eps), None if none ran."""
     have = [(m, groups[(dataset, m, eps)]) for m in methods if (dataset, m, eps) in groups]
-    return max(have, key=lambda kv: _mean_std([r["worst_accuracy"] for r in kv[1]])[0]) if have else None
+    return max(have, key=lambda kv: mean_std([r["worst_accuracy"] for r in kv[1]])[0]) if have else None
 
 
 def _figure(rs: list[dict]) -> str:
-    w, ws = _mean_std([r["worst_accuracy"] for r in rs])
-    a, as_ = _mean_std([r["test_accuracy"] for r in rs])
+    w, ws = mean_std([r["worst_accuracy"] for r in rs])
+    a, as_ = mean_std([r["test_accuracy"] for r in rs])
     return f"worst {w:.3f} +/- {ws:.3f}, accuracy {a:.3f} +/- {as_:.3f} (n={len(rs)}){legacy_mark(rs)}"
 
 
@@ -161,8 +162,8 @@ def paper_lines(groups: dict, dataset: str, epsilons) -> list[str]:
             continue
         (p, prs), (b, brs) = paper, other
         pw, bw = ([r["worst_accuracy"] for r in rs] for rs in (prs, brs))
-        pa, ba = (_mean_std([r["test_accuracy"] for r in rs])[0] for rs in (prs, brs))
-        d = _mean_std(pw)[0] - _mean_std(bw)[0]
+        pa, ba = (mean_std([r["test_accuracy"] for r in rs])[0] for rs in (prs, brs))
+        d = mean_std(pw)[0] - mean_std(bw)[0]
         out.append(f"- epsilon {eps:g}: best paper method **{p}** ({_figure(prs)}) against the best other method "
                    f"**{b}** ({_figure(brs)}): worst {d:+.3f} ({verdict(pw, bw)}), accuracy {pa - ba:+.3f}.")
     return out
@@ -177,14 +178,14 @@ def paper_goal_lines(groups: dict) -> list[str]:
     if best is None:
         return ["Goal of the paper methods: not measured yet (no finished runs of them)."]
     method, rs = best
-    worst, acc = (_mean_std([r[k] for r in rs])[0] for k in ("worst_accuracy", "test_accuracy"))
+    worst, acc = (mean_std([r[k] for r in rs])[0] for k in ("worst_accuracy", "test_accuracy"))
     ci = mean_interval([r["worst_accuracy"] for r in rs])
     reached = worst >= g["worst"] and acc >= g["accuracy"] and ci is not None and ci[0] >= g["worst_lower"]
     lower = (f"the {CONFIDENCE:.0%} interval of its mean worst class [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else
              "one seed, no interval")
     ref = groups.get((g["dataset"], g["reference"], g["epsilon"]))
-    versus = (f"; against {g['reference']} (worst {_mean_std([r['worst_accuracy'] for r in ref])[0]:.3f}): "
-              f"{worst - _mean_std([r['worst_accuracy'] for r in ref])[0]:+.3f}" if ref else "")
+    versus = (f"; against {g['reference']} (worst {mean_std([r['worst_accuracy'] for r in ref])[0]:.3f}): "
+              f"{worst - mean_std([r['worst_accuracy'] for r in ref])[0]:+.3f}" if ref else "")
     return [f"Goal of the paper methods ({g['dataset']}, epsilon {g['epsilon']:g}: the best of "
             f"{', '.join(PAPER_METHODS)} reaches worst-class >= {g['worst']:.2f} (the lower end of its "
             f"{CONFIDENCE:.0%} interval >= {g['worst_lower']:.2f}) with accuracy >= {g['accuracy']:.2f}, and in any "
@@ -198,8 +199,8 @@ def goal_lines(groups: dict, best_method: str | None) -> list[str]:
     if best_method is None or key not in groups:
         return ["Goal figure: not measured yet (no finished runs of the best configuration)."]
     rs = groups[key]
-    acc, acc_sd = _mean_std([r["test_accuracy"] for r in rs])
-    worst, worst_sd = _mean_std([r["worst_accuracy"] for r in rs])
+    acc, acc_sd = mean_std([r["test_accuracy"] for r in rs])
+    worst, worst_sd = mean_std([r["worst_accuracy"] for r in rs])
     reached = worst >= GOAL["worst"] and acc >= GOAL["accuracy"]
     ordered = sorted(rs, key=lambda r: r["seed"])
     seeds = ", ".join(f"{r['test_accuracy']:.3f} / {r['worst_accuracy']:.3f}" for r in ordered)

@@ -234,7 +234,10 @@ ONE_ROUND = {"dro_level": "group", "block_order": "simultaneous"}
                 "max_train_records": 600, "epsilon": 8.0, "eval_data": "server"}),
     # the nodes as the groups (dro-groups=node): each node answers with its partition id as every record's group
     ("recursive-spider", {"dro_level": "group", "dro_groups": "node", "partition": "dirichlet",
-                          "dirichlet_alpha": 0.3})])
+                          "dirichlet_alpha": 0.3}),
+    # the sites as the groups (dro-groups=site): each node answers with its site (num-sites) as every group
+    ("recursive-spider", {"dro_level": "group", "dro_groups": "site", "num_sites": 2, "num_clients": 4,
+                          "partition": "dirichlet", "dirichlet_alpha": 0.3})])
 def test_flower_simulation_equals_single_node(small_config, tmp_path, flower_superlink, algorithm, keys):
     from dpdro.launch.simulate import run_simulation
 

@@ -123,3 +123,24 @@ def test_the_seeds_table_gives_means_and_decides_by_the_interval_rule():
     assert verdicts[0].startswith(f"- {local} against {flower}, accuracy: better, 95% interval [+0.1")
     assert any(line.startswith(f"- {groups} against {local}, 10th-percentile node: worse") for line in verdicts)
     assert len(verdicts) == 8  # 4 columns (all but worst class) for each of the two comparisons
+
+
+def test_the_seeds_table_adds_the_worst_site_and_the_site_groups_comparison():
+    """With --sites every row carries worst_site_accuracy: the table gets its column and the site-group row is
+    compared with dp-sgd on every column but the worst class (and node groups too, on the worst site as well)."""
+    def row(name, acc, site):
+        return {"row": name, "epsilon": 4.0, "test_accuracy": acc, "worst_class_accuracy": 0.0,
+                "worst_node_accuracy": 0.0, "node_accuracy_p10": 0.1, "per_node_accuracy": [0.5],
+                "worst_site_accuracy": site}
+
+    local, sites = "dpdro dp-sgd, local epochs 1", "dpdro recursive-spider, dro-groups = site, local epochs 1"
+    by_seed = {s: [row(local, 0.44 + 0.01 * s, 0.20 + 0.01 * s), row(sites, 0.43 + 0.01 * s, 0.30 + 0.01 * s)]
+               for s in (0, 1, 2)}
+    lines = dp_fedavg.seeds_table(by_seed)
+    assert lines[0].endswith("| median node | worst site |")
+    assert lines[3] == (f"| {sites} | 3 | 4.000 | 0.440 +/- 0.010 | 0.000 +/- 0.000 | 0.000 +/- 0.000 | "
+                        "0.100 +/- 0.000 | 0.500 +/- 0.000 | 0.310 +/- 0.010 |")
+    verdicts = [line for line in lines if line.startswith("- ")]
+    assert len(verdicts) == 5 and verdicts[-1].startswith(f"- {sites} against {local}, worst site: better")
+    assert dp_fedavg.table([{**row(local, 0.4, 0.2), "seconds": 1.0, "noise_multiplier": 1.0,
+                             "node_accuracy_spread": 0.5}])[0].endswith("| worst site | seconds |")

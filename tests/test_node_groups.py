@@ -1,7 +1,7 @@
 """dro-groups=node (docs/explanation/ALGORITHMS.md 3.3, "The nodes as groups"): the group level of dp-double-spider,
 recursive-spider and dp-sgda with each record's group its node's index: the groups, the released per-node loss
 vector (its clip, noise and charge), the full-batch objective computed independently, privacy-unit=node, the per-node
-accuracy figures and the refusals."""
+accuracy figures and the refusals; dro-groups=site, the nodes' public site labels (num-sites) as the groups."""
 
 from __future__ import annotations
 
@@ -168,6 +168,37 @@ def test_per_node_accuracy_figures():
     for j, idx in enumerate(make_partition(cfg.data, labels)):
         assert (node_of[idx] == j).all()
     assert (node_of >= 0).all()
+
+
+SITES = {**NODES, "dro-groups": "site", "num-clients": 4, "num-sites": 2}
+
+
+def test_each_record_s_group_is_its_node_s_site(tmp_path):
+    """Nodes 0, 1 form site 0 and nodes 2, 3 site 1 (site_of); the group histogram has num-sites entries."""
+    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **SITES)
+    transport = LocalTransport(cfg, tiny_data())
+    for w in transport.workers:
+        want = torch.full((w.num_records,), w.partition // 2)
+        assert w.num_records > 0 and torch.equal(w._groups(w.problem), want)
+    assert cfg.dro_group_count(K, 0) == 2
+
+
+def test_a_site_group_run_reports_its_worst_site_and_node(tmp_path):
+    """The summary's per-site accuracy is the accuracy over the test records of each site's nodes, computed here
+    from per-record predictions independently of the engine's figures."""
+    data = tiny_data()
+    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **SITES)
+    train(cfg, LocalTransport(cfg, data), data)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["per_node_accuracy"]) == 4 and len(summary["per_site_accuracy"]) == 2
+    assert summary["worst_site_accuracy"] == min(summary["per_site_accuracy"])
+    correct = np.array([1, 0, 1, 1, 0, 1], dtype=bool)
+    got = node_metrics(correct, np.array([0, 1, 1, 2, 3, 3]), 4, num_sites=2)
+    assert got["per_site_accuracy"] == [2 / 3, 2 / 3] and got["worst_site_accuracy"] == 2 / 3
+    got = node_metrics(correct, np.array([0, 0, 1, 2, 2, 3]), 4, num_sites=2)
+    assert got["per_site_accuracy"] == [2 / 3, 2 / 3]
+    got = node_metrics(correct, np.array([0, 2, 0, 0, 3, 2]), 4, num_sites=2)
+    assert got["per_site_accuracy"] == [1.0, 1 / 3] and got["worst_site_accuracy"] == 1 / 3
 
 
 def test_a_node_group_run_reports_its_worst_node(tmp_path):

@@ -1,12 +1,19 @@
-"""Partitioners: every record exactly once, deterministic in the seed, no NaN for tiny Dirichlet alpha."""
+"""Partitioners: every record exactly once, deterministic in the seed, no NaN for tiny Dirichlet alpha; a training
+and an evaluation split cut alike give each node one label mix; sites (num-sites) share their label mix."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dpdro.common.config import Config
-from dpdro.common.partition import dirichlet_partition, iid_partition, make_partition
+from dpdro.common.config import Config, ConfigError
+from dpdro.common.partition import (
+    dirichlet_partition,
+    iid_partition,
+    make_partition,
+    site_dirichlet_partition,
+    site_of,
+)
 
 
 def assert_exact_cover(parts: list[np.ndarray], n: int, num_clients: int) -> None:
@@ -142,3 +149,68 @@ def test_make_partition_follows_config():
     got = make_partition(cfg, labels)
     assert all(np.array_equal(x, y) for x, y in zip(got, dirichlet_partition(labels, 6, 0.3, 4), strict=True))
     assert_exact_cover(got, len(labels), 6)
+
+
+def _mixes(labels: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+    return np.stack([np.bincount(labels[p], minlength=10) / max(len(p), 1) for p in parts])
+
+
+def test_dirichlet_gives_a_node_one_label_mix_on_every_split():
+    """The shares depend on the seed and the class only, not on the records: a 30,000-record training split and a
+    10,000-record test split give each of 10 nodes label mixes within 0.02 of each other (rounding of the cuts),
+    where draws that followed the record counts gave unrelated mixes (differences near 0.5)."""
+    rng = np.random.default_rng(1)
+    train, test = rng.integers(0, 10, 30_000), rng.integers(0, 10, 10_000)
+    a = _mixes(train, dirichlet_partition(train, 10, 0.3, seed=0))
+    b = _mixes(test, dirichlet_partition(test, 10, 0.3, seed=0))
+    assert np.abs(a - b).max() < 0.02
+    assert np.abs(a - a.mean(0)).max() > 0.2  # and the mixes are skewed (alpha 0.3)
+
+
+def test_site_of_numbers_nodes_site_by_site():
+    assert [site_of(j, 10, 3) for j in range(10)] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [site_of(j, 4, 4) for j in range(4)] == [0, 1, 2, 3]
+
+
+def test_site_partition_cover_and_shared_mix():
+    """Every record once; the nodes of one site hold near-equal shares of the site's records, with the site's
+    label mix (within sampling error), while sites differ; deterministic in the seed; bad sizes raise."""
+    labels = np.random.default_rng(2).integers(0, 10, 20_000)
+    parts = site_dirichlet_partition(labels, 40, 4, 0.3, seed=5)
+    assert_exact_cover(parts, len(labels), 40)
+    sites = dirichlet_partition(labels, 4, 0.3, seed=5)
+    mixes = _mixes(labels, parts)
+    for s, idx in enumerate(sites):
+        members = [j for j in range(40) if site_of(j, 40, 4) == s]
+        assert np.array_equal(np.sort(np.concatenate([parts[j] for j in members])), idx)
+        sizes = [len(parts[j]) for j in members]
+        assert max(sizes) - min(sizes) <= 1
+        site_mix = _mixes(labels, [idx])[0]
+        assert np.abs(mixes[members] - site_mix).max() < 0.08
+    assert np.abs(_mixes(labels, sites) - _mixes(labels, sites).mean(0)).max() > 0.2
+    again = site_dirichlet_partition(labels, 40, 4, 0.3, seed=5)
+    assert all(np.array_equal(x, y) for x, y in zip(parts, again, strict=True))
+    for bad in (0, 41):
+        with pytest.raises(ValueError, match="num_sites"):
+            site_dirichlet_partition(labels, 40, bad, 0.3, seed=5)
+
+
+def test_num_sites_config_and_dro_groups_site():
+    """partition='dirichlet' with num-sites cuts by site; num-sites outside {0} and [2, num-clients] and
+    dro-groups='site' without sites are refused before any work, naming the key and the value."""
+    labels = labels_long_tailed()
+    cfg = Config.from_mapping({"num-clients": 6, "seed": 4, "partition": "dirichlet", "dirichlet-alpha": 0.3,
+                               "num-sites": 2})
+    got = make_partition(cfg, labels)
+    want = site_dirichlet_partition(labels, 6, 2, 0.3, 4)
+    assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+    for bad in (1, 7):
+        with pytest.raises(ConfigError, match=f"'num-sites': got {bad}"):
+            Config.from_mapping({"num-clients": 6, "num-sites": bad})
+    group = {"algorithm": "recursive-spider", "dro-level": "group", "dro-groups": "site", "num-clients": 6}
+    with pytest.raises(ConfigError, match="'dro-groups': got 'site' with num-sites 0"):
+        Config.from_mapping(group)
+    cfg = Config.from_mapping({**group, "num-sites": 3})
+    assert cfg.dro_group_count(10, 0) == 3 and cfg.uses_group_priors and cfg.node_groups
+    with pytest.raises(ConfigError, match="'dro-groups': got 'site' with algorithm 'dp-sgd'"):
+        Config.from_mapping({**group, "algorithm": "dp-sgd", "num-sites": 3})

@@ -275,7 +275,7 @@ OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head", "eval-data": "
                 "eval-noise-multiplier": 2.0, "x-storm-a": 0.5, "clip-diff-quantile": 0.9, "clip-diff-quantile-lr": 0.5,
                 "clip-diff-quantile-noise-ratio": 2.0, "node-sampling-rate": 0.5, "momentum": 0.9,
                 "ddg-bits": 20, "ddg-wrap-probability": 1e-6, "local-epochs": 1, "local-lr": 0.1, "local-batch": 8,
-                "feature-norm-clip": 2.0, "feature-norm-noise-multiplier": 4.0}
+                "feature-norm-clip": 2.0, "feature-norm-noise-multiplier": 4.0, "num-sites": 2}
 # Keys whose other value needs another key changed with it (features=scatternet needs a scatter model); the
 # fingerprint is compared against the configuration with those companions alone where it is valid without the key.
 WITH = {"features": {"model": "scatter-linear"}, "privacy-unit": {"num-clients": 10},

@@ -9,7 +9,11 @@ run's ledger like every other release.
   or for the nodes (g the record's node index, G = num-clients: the node sizes), e_g per record, N(0, z_h^2 I_G);
   the group priors follow by the same post-processing. A record belongs to one node, so the sensitivity stays 1; at
   privacy-unit=node a node's contribution is the mean of its records' e_g = its own e_g (norm 1, clipped to 1), and
-  the priors come out near 1/m (every node weighs alike, as every node-level release does).
+  the priors come out near 1/m (every node weighs alike, as every node-level release does). So at privacy-unit=node
+  with dro-groups=node or site the histogram is not released at all: what it would estimate is public, 1/m per
+  node and (nodes of the site) / m per site (``public_group_priors``), where a noisy release (fixed multiplier 10,
+  made by the sampled nodes only and scaled by 1 / node-sampling-rate) gave priors of pure noise (measured at 1,000
+  nodes: counts of -10,000 to +25,000 around a true 3,000 a site).
 - 'eta-init' (eta-init-source='private-mean-loss', algorithms with a dual variable): every record
   contributes min(l(x_0; xi), B) in [0, B] at the public initial model x_0 (with the logit offset when the
   loss is logit-adjusted); the sum gets N(0, (z_e B)^2), z_e = eta-init-noise-multiplier, and
@@ -34,6 +38,7 @@ import numpy as np
 
 from ..common import feature_norm
 from ..common.messages import Point, Query
+from ..common.partition import site_of
 from .ledger import Mechanism
 
 HISTOGRAM = "class-histogram"
@@ -93,7 +98,7 @@ def mechanisms(cfg) -> dict[Mechanism, int]:
     out = {}
     if cfg.uses_priors and cfg.class_prior == "private":  # also without privacy: stages() takes it (noise 0)
         out[Mechanism(HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
-    if cfg.uses_group_priors:
+    if cfg.uses_group_priors and public_group_priors(cfg) is None:
         out[Mechanism(GROUP_HISTOGRAM, 1.0, fixed_noise=cfg.prior_noise_multiplier)] = 1
     if cfg.private_eta_init:
         out[Mechanism(ETA_INIT, 1.0, fixed_noise=cfg.eta_init_noise_multiplier)] = 1
@@ -112,7 +117,7 @@ def stages(cfg, num_classes: int, num_groups: int = 0, channels: int = 0) -> lis
     if cfg.uses_priors and cfg.class_prior == "private":
         histograms.append(Query(0, HISTOGRAM, "class-onehot", (Point(0, 0.0),), 1.0, clip, num_classes,
                                 extra=(0.0,) * num_classes))
-    if cfg.uses_group_priors:
+    if cfg.uses_group_priors and public_group_priors(cfg) is None:
         g = cfg.dro_group_count(num_classes, num_groups)  # the attribute's G, or num-clients (dro-groups=node)
         histograms.append(Query(0, GROUP_HISTOGRAM, "group-onehot", (Point(0, 0.0),), 1.0, clip, g,
                                 extra=(0.0,) * g))
@@ -133,8 +138,30 @@ def priors_from_counts(counts: np.ndarray) -> tuple[float, ...]:
     return tuple(float(v) for v in c / c.sum())
 
 
+def public_group_priors(cfg) -> tuple[float, ...] | None:
+    """The group priors that need no release: at privacy-unit=node every node's contribution weighs alike, so with
+    dro-groups=node they are 1/m each and with dro-groups=site (nodes of the site) / m (``common.partition.site_of``,
+    a public label): constants of the configuration, not of any record. None for every other configuration (the
+    'group-histogram' release estimates them)."""
+    if not (cfg.uses_group_priors and cfg.privacy_unit == "node" and cfg.dro_groups in ("node", "site")):
+        return None
+    m = cfg.num_clients
+    if cfg.dro_groups == "node":
+        return (1.0 / m,) * m
+    sizes = np.bincount([site_of(j, m, cfg.num_sites) for j in range(m)], minlength=cfg.num_sites)
+    return tuple(float(c) / m for c in sizes)
+
+
 def initial(cfg, num_classes: int) -> SetupResult:
-    """The result before any release: public priors if declared, else none; eta0 not set."""
+    """The result before any release: public priors if declared, else none; the public group priors of
+    ``public_group_priors``; eta0 not set."""
+    public_groups = public_group_priors(cfg)
+    if public_groups is not None:
+        return replace(_initial_classes(cfg, num_classes), group_priors=public_groups)
+    return _initial_classes(cfg, num_classes)
+
+
+def _initial_classes(cfg, num_classes: int) -> SetupResult:
     if cfg.uses_priors and cfg.class_prior == "public":
         values = cfg.public_prior()
         if len(values) != num_classes:

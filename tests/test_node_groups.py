@@ -139,21 +139,28 @@ def test_the_per_node_loss_release_is_charged_at_sensitivity_b_with_its_noise(tm
 
 
 def test_at_privacy_unit_node_each_node_weighs_alike(tmp_path):
-    """privacy-unit=node: a node's contribution is the mean of its records' vectors clipped as one; its node
-    histogram entry is its own e_j (norm 1), so the released node counts are n/m each (every node weighs alike) and
-    the per-node loss vector's sensitivity is one node's clipped mean, <= B: the two compose."""
+    """privacy-unit=node: a node's contribution is the mean of its records' vectors clipped as one, so every node
+    weighs alike and the group priors are public (1/m per node, nodes of the site / m per site): no group histogram
+    is released or charged (a noisy one, made by the sampled nodes and scaled by 1/p, was pure noise at 1,000
+    nodes), while the record level still releases it; the per-node loss vector's sensitivity is one node's clipped
+    mean, <= B."""
+    from dpdro.server.setup import mechanisms, public_group_priors
+
     data = tiny_data()
-    cfg = cfg_of(tmp_path, algorithm="recursive-spider", **{**NODES, "num-clients": 10, "partition": "iid",
-                                                            "privacy-unit": "node"})
-    train(cfg, LocalTransport(cfg, data), data)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    np.testing.assert_allclose(summary["group_counts"], [N / 10] * 10, rtol=1e-12)
-    private = cfg_of(tmp_path / "p", algorithm="recursive-spider", epsilon=4.0,
-                     **{**NODES, "num-clients": 10, "partition": "iid", "privacy-unit": "node"})
+    keys = {**NODES, "num-clients": 10, "partition": "iid", "privacy-unit": "node"}
+    private = cfg_of(tmp_path / "p", algorithm="recursive-spider", epsilon=4.0, **keys)
+    assert public_group_priors(private) == (0.1,) * 10
+    assert "group-histogram" not in {m.name for m in mechanisms(private)}
     train(private, LocalTransport(private, data), data)
     out = json.loads((tmp_path / "p" / "run" / "summary.json").read_text())
     assert out["privacy_unit"] == "node" and 0.99 * 4.0 <= out["epsilon_spent"] <= 4.0
-    assert out["releases"]["group-storm"] == private.iterations and len(out["group_counts"]) == 10
+    assert out["releases"]["group-storm"] == private.iterations and "group-histogram" not in out["releases"]
+    assert "group_counts" not in out
+    sites = cfg_of(tmp_path / "s", algorithm="recursive-spider", **{**keys, "dro-groups": "site", "num-sites": 3})
+    assert public_group_priors(sites) == pytest.approx((0.4, 0.3, 0.3))  # nodes 0-3, 4-6, 7-9
+    record = cfg_of(tmp_path / "r", algorithm="recursive-spider", epsilon=4.0, **{**keys, "privacy-unit": "record"})
+    assert public_group_priors(record) is None
+    assert "group-histogram" in {m.name for m in mechanisms(record)}
 
 
 def test_per_node_accuracy_figures():

@@ -18,7 +18,8 @@ several seeds a table of means and 95 % intervals of the decisive differences, `
   DP-FedAvg in dpdro's engine (Poisson node sampling, dpdro's ledger) and differs from Flower's only in the sample.
 - ``dpdro recursive-spider, dro-groups = site, local epochs E`` (``--sites S``): the nodes numbered site by site
   into S public sites, the label skew drawn per site (``num-sites``, ALGORITHMS.md 3.3, every row's partition then),
-  and the sites as the DRO groups; the table adds the worst site's accuracy.
+  and the sites as the DRO groups; the table adds the worst site's accuracy. ``--site-lambda L ...`` adds the same
+  row at other DRO temperatures (``lambda``; the default is 1).
 - ``Flower DP-FedAvg``: Flower's ``FedAvg`` wrapped in ``DifferentialPrivacyServerSideFixedClipping``
   (``simulations/dpfedavg_app``) on Flower's simulation engine with one SuperNode per node: each round ``sampled``
   nodes drawn uniformly without replacement, each runs ``--fedavg-epochs`` local epochs of SGD from the global model,
@@ -254,7 +255,11 @@ def seed_rows(a: argparse.Namespace, out: Path) -> list[dict]:
             rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = site, local epochs {a.local_epochs}",
                                   {**local, "algorithm": "recursive-spider", "dro-level": "group",
                                    "dro-groups": "site", "q": 1}, out))
-        for r in rows[-2 - bool(a.sites):]:
+        for lam in a.site_lambda if a.sites else ():  # the DRO's temperature as a lever of the site groups
+            rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = site, local epochs {a.local_epochs}, "
+                                  f"lambda {lam:g}", {**local, "algorithm": "recursive-spider", "dro-level": "group",
+                                                      "dro-groups": "site", "q": 1, "lambda": lam}, out))
+        for r in rows[-2 - bool(a.sites) - (len(a.site_lambda) if a.sites else 0):]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
     z = next(r["noise_multiplier"] for r in rows if r["row"].startswith("dpdro dp-sgd"))
     for lr in a.fedavg_lr:
@@ -286,6 +291,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sites", type=int, default=0,
                    help="public sites the nodes are numbered into (num-sites; every row's partition then skews labels "
                         "by site) and a row with the sites as DRO groups; 0: none")
+    p.add_argument("--site-lambda", type=float, nargs="*", default=[],
+                   help="with --sites: more site-group rows at these DRO temperatures (config key lambda)")
     p.add_argument("--local-epochs", type=int, default=1,
                    help="dpdro rows with local-epochs = this (local lr, batch and clip: the first --fedavg-lr, "
                         "--fedavg-batch, --fedavg-clip); 0: none")

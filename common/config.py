@@ -29,11 +29,17 @@ from .config_schema import ROLES, SECTIONS, ConfigError, Field, section_class
 from .registry import AUTO, is_entry_point  # AUTO re-exported: config.AUTO is the public name
 
 __all__ = ["AUTO", "CORE_FIELDS", "ROLES", "SECTIONS", "Config", "ConfigError", "Field", "IgnoredKeyWarning",
+           "NoisyPriorWarning",
            "check_device", "fields", "keys_with_role", "load_toml_keys", "parse_set_args", "toml_lines", "toml_value"]
 
 
 class IgnoredKeyWarning(UserWarning):
     """A key set to a non-default value is not read by the chosen algorithm (e.g. q=3 with dp-sgd)."""
+
+
+class NoisyPriorWarning(UserWarning):
+    """At privacy-unit=node the class histogram (class-prior=private) is made by the sampled nodes only: its noise on
+    each class share, prior-noise-multiplier / (p m), can exceed the shares themselves."""
 
 
 # Config key ``model-fix``: common/model_fix.py's MODEL_FIXES, repeated so that validating a key imports no torch
@@ -533,7 +539,23 @@ class Config:
         cfg._check_combinations()
         if warn:
             cfg._warn_ignored()
+            cfg._warn_noisy_priors()
         return cfg
+
+    def _warn_noisy_priors(self) -> None:
+        """NoisyPriorWarning when a node-level run takes its class priors from a histogram whose noise std on each
+        class share, z_h / (p m), is above 1 / (2 K) for K = 10 classes (0.05): the logit adjustment then follows
+        noise. Public priors (class-prior=public) or more sampled nodes avoid it."""
+        if not (self.privacy_unit == "node" and self.private and self.uses_priors and self.class_prior == "private"):
+            return
+        std = self.prior_noise_multiplier / (self.node_sampling_rate * self.num_clients)
+        if std > 0.05:
+            nodes = self.node_sampling_rate * self.num_clients
+            warnings.warn(f"privacy-unit='node' with class-prior='private': the class histogram is released by the "
+                          f"expected {nodes:.3g} sampled nodes, so its noise std on each class share is "
+                          f"prior-noise-multiplier / (p m) = {std:.3g}, more than the shares can bear; use "
+                          "class-prior='public' with class-prior-values, or more sampled nodes",
+                          NoisyPriorWarning, stacklevel=3)
 
     def _warn_ignored(self) -> None:
         """IgnoredKeyWarning for each algorithm key at a non-default value that the chosen algorithm does not read."""

@@ -265,3 +265,22 @@ def test_a_sampled_node_that_fails_follows_the_failure_policy(policy):
     assert all(asked == sample for asked in nodes.asked)
     assert got == (sample - {min(sample)} if policy == "drop" else sample)
     assert len(nodes.asked) == (1 if policy == "drop" else 2)
+
+
+def test_a_node_level_class_histogram_too_noisy_to_use_is_warned_about():
+    """privacy-unit=node: the class histogram comes from the p m sampled nodes, noise std z_h / (p m) per class share;
+    at 1,000 nodes and p = 0.03 (std 0.33) the run is warned before any work, with public priors or record level
+    not."""
+    import warnings
+
+    from dpdro.common.config import NoisyPriorWarning
+
+    node = {"algorithm": "dp-sgd-la", "privacy-unit": "node", "num-clients": 1000, "node-sampling-rate": 0.03,
+            "eval-data": "server"}
+    with pytest.warns(NoisyPriorWarning, match=r"= 0\.333"):
+        Config.from_mapping(node)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoisyPriorWarning)
+        Config.from_mapping({**node, "class-prior": "public", "class-prior-values": "1,1,1,1,1,1,1,1,1,1"})
+        Config.from_mapping({**node, "privacy-unit": "record"})
+        Config.from_mapping({**node, "node-sampling-rate": 1.0})  # std 0.01

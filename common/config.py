@@ -548,9 +548,9 @@ class Config:
         noise. Public priors (class-prior=public) or more sampled nodes avoid it."""
         if not (self.privacy_unit == "node" and self.private and self.uses_priors and self.class_prior == "private"):
             return
-        std = self.prior_noise_multiplier / (self.node_sampling_rate * self.num_clients)
+        nodes = self.node_sampling_rate * self.num_clients
+        std = self.prior_noise_multiplier / nodes
         if std > 0.05:
-            nodes = self.node_sampling_rate * self.num_clients
             warnings.warn(f"privacy-unit='node' with class-prior='private': the class histogram is released by the "
                           f"expected {nodes:.3g} sampled nodes, so its noise std on each class share is "
                           f"prior-noise-multiplier / (p m) = {std:.3g}, more than the shares can bear; use "

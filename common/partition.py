@@ -67,10 +67,10 @@ def _class_shares(rng: np.random.Generator, num_clients: int, alpha: float) -> n
     return shares
 
 
-def site_of(node: int, num_clients: int, num_sites: int) -> int:
+def site_of(node, num_clients: int, num_sites: int):
     """Node ``node``'s site in [0, num_sites): floor(node * num_sites / num_clients), so that nodes are numbered site
     by site and each site holds floor or ceil(num_clients / num_sites) nodes (config key num-sites: a public label,
-    not a function of any record)."""
+    not a function of any record). ``node`` an int, or an int array (then elementwise)."""
     return node * num_sites // num_clients
 
 
@@ -84,7 +84,7 @@ def site_dirichlet_partition(labels: np.ndarray, num_clients: int, num_sites: in
         raise ValueError(f"num_sites must be in [1, num_clients = {num_clients}], got {num_sites}")
     sites = dirichlet_partition(labels, num_sites, alpha, seed)
     rng = derived_rng(seed, "partition-site-nodes")
-    nodes = np.asarray([site_of(j, num_clients, num_sites) for j in range(num_clients)])
+    nodes = site_of(np.arange(num_clients), num_clients, num_sites)
     parts: list[np.ndarray] = [np.zeros(0, np.int64)] * num_clients
     for site, idx in enumerate(sites):
         members = np.flatnonzero(nodes == site)
@@ -95,7 +95,7 @@ def site_dirichlet_partition(labels: np.ndarray, num_clients: int, num_sites: in
 
 def _dirichlet(data, labels: np.ndarray) -> list[np.ndarray]:
     """partition='dirichlet': by node, or by site when the data section sets num-sites."""
-    if getattr(data, "num_sites", 0):
+    if data.num_sites:
         return site_dirichlet_partition(labels, data.num_clients, data.num_sites, data.dirichlet_alpha, data.seed)
     return dirichlet_partition(labels, data.num_clients, data.dirichlet_alpha, data.seed)
 
@@ -103,8 +103,8 @@ def _dirichlet(data, labels: np.ndarray) -> list[np.ndarray]:
 @dataclass(frozen=True)
 class Partitioner:
     """One value of config key ``partition``: ``split(data, labels)`` -> the index arrays of the clients (``data``:
-    a Config's data section: num-clients, dirichlet-alpha, seed; ``labels``: (n,) int64 of the training split),
-    or None when nothing is split centrally because each node reads its own data (node-local)."""
+    a Config's data section: num-clients, dirichlet-alpha, num-sites, seed; ``labels``: (n,) int64 of the training
+    split), or None when nothing is split centrally because each node reads its own data (node-local)."""
 
     split: Callable[[Any, np.ndarray], list[np.ndarray]] | None
 

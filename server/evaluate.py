@@ -75,7 +75,9 @@ def node_metrics(correct: np.ndarray, node_of: np.ndarray, num_nodes: int, num_s
     worst, best = float(np.nanmin(per_node)), float(np.nanmax(per_node))
     out = {"per_node_accuracy": per_node, "worst_node_accuracy": worst, "node_accuracy_spread": best - worst}
     if num_sites > 0:
-        per_site = per_group_accuracy(correct, node_of * num_sites // num_nodes, num_sites)
+        from ..common.partition import site_of  # late, as in node_of_records
+
+        per_site = per_group_accuracy(correct, site_of(node_of, num_nodes, num_sites), num_sites)
         out |= {"per_site_accuracy": per_site, "worst_site_accuracy": float(np.nanmin(per_site))}
     return out
 

@@ -148,7 +148,7 @@ def public_group_priors(cfg) -> tuple[float, ...] | None:
     m = cfg.num_clients
     if cfg.dro_groups == "node":
         return (1.0 / m,) * m
-    sizes = np.bincount([site_of(j, m, cfg.num_sites) for j in range(m)], minlength=cfg.num_sites)
+    sizes = np.bincount(site_of(np.arange(m), m, cfg.num_sites), minlength=cfg.num_sites)
     return tuple(float(c) / m for c in sizes)
 
 

@@ -245,6 +245,7 @@ def seed_rows(a: argparse.Namespace, out: Path) -> list[dict]:
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
     if a.local_epochs > 0:  # DP-FedAvg's contribution in dpdro: a node's update after local SGD (local-epochs)
+        start = len(rows)
         local = {**keys, "lr-x": 1.0, "clip-x": a.fedavg_clip, "momentum": 0.0, "local-epochs": a.local_epochs,
                  "local-lr": a.fedavg_lr[0], "local-batch": a.fedavg_batch}
         rows.append(dpdro_row(f"dpdro dp-sgd, local epochs {a.local_epochs}", {**local, "algorithm": "dp-sgd"}, out))
@@ -259,7 +260,7 @@ def seed_rows(a: argparse.Namespace, out: Path) -> list[dict]:
             rows.append(dpdro_row(f"dpdro recursive-spider, dro-groups = site, local epochs {a.local_epochs}, "
                                   f"lambda {lam:g}", {**local, "algorithm": "recursive-spider", "dro-level": "group",
                                                       "dro-groups": "site", "q": 1, "lambda": lam}, out))
-        for r in rows[-2 - bool(a.sites) - (len(a.site_lambda) if a.sites else 0):]:
+        for r in rows[start:]:
             print(json.dumps({k: v for k, v in r.items() if k != "per_node_accuracy"}), flush=True)
     z = next(r["noise_multiplier"] for r in rows if r["row"].startswith("dpdro dp-sgd"))
     for lr in a.fedavg_lr:

@@ -239,6 +239,11 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field("momentum", "float", 0.0, "Heavy-ball momentum mu of the model's step: x_{t+1} = x_t + m_{t+1}, m_{t+1} = "
           "mu m_t + (the algorithm's own step). Post-processing of released values, no privacy cost "
           "(docs/explanation/ALGORITHMS.md 5.10; 0: off).", low=0.0, high=0.999, role="algorithm"),
+    Field("ema-decay", "float", 0.0, "Exponential moving average of the model's iterates, the model every evaluation "
+          "and the run return: a_t = b_t a_{t-1} + (1 - b_t) x_t with b_t = min(ema-decay, (t - 1) / t), the plain "
+          "mean of the iterates so far until t = 1 / (1 - ema-decay) (De et al. 2022, section 3.1). Training steps "
+          "from x_t, never from the average. Post-processing of released values, no privacy cost "
+          "(docs/explanation/ALGORITHMS.md 5.11; 0: off).", low=0.0, high=0.9999, role="algorithm"),
     Field("local-epochs", "int", 0, "privacy-unit=node only: each sampled node runs this many epochs of local SGD "
           "on its shard from the broadcast model and sends its model update x_0 - x_K, clipped to clip-x as one "
           "vector, in place of its mean gradient (DP-FedAvg, McMahan et al. 2018; the same sensitivity and ledger; "
@@ -698,6 +703,9 @@ class Config:
                 spec.check({f.key: self._values[f.key] for f in algorithm_params().values() if f.key in spec.keys})
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.ema_decay > 0 and "output-iterate" in spec.keys and self._values["output-iterate"] == "random":
+            raise ConfigError(f"config key 'ema-decay': got {self.ema_decay:g} with output-iterate='random'; allowed "
+                              "with output-iterate='last' (the run returns either the average or a random iterate)")
         if spec.logit_adjusted and self.tau == 0:
             raise ConfigError(f"config key 'logit-adjust-tau': got 0; allowed for {self.algorithm}: > 0 or 'auto' (it "
                               "trains on the logit-adjusted loss; use algorithm=dp-sgd for plain cross-entropy)")

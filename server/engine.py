@@ -287,7 +287,7 @@ def _evaluated(run: TrainingRun, callbacks: list[Callback]) -> None:
     """Evaluate now: append the row, offer the evaluated iterate to checkpoint-select=private-best
     (server/checkpoint_selection.py: post-processing of the row's noisy counts) and hand the row to every
     callback."""
-    x, _ = run.plan.algo.output(run.state)
+    x, _ = run.plan.algo.returned(run.state)
     run.rows.append(_eval_row(run, x))
     if run.cfg.checkpoint_select == "private-best":
         run.selected = checkpoint_selection.offer(run.selected, run.rows[-1], x)
@@ -327,7 +327,7 @@ def _finish(run: TrainingRun, callbacks: list[Callback], transport_name: str) ->
         log.warning("%d of %d SPIDER phases ended with more noise from their differences than from their refresh "
                     "(the differences only added noise): lower clip-diff / clip-diff-max or q, or raise "
                     "diff-batch", spider["phases_noise_dominated"], spider["phases"])
-    run.params, _ = plan.algo.output(run.state)
+    run.params, _ = plan.algo.returned(run.state)
     final = rows[-1]
     if run.selected is not None:  # checkpoint-select=private-best: the chosen iterate, its (noisy) figures
         run.params = run.selected.params

@@ -43,7 +43,7 @@ class IterateScores(Callback):
         from ..server.evaluate import evaluate
         from ..server.model_export import prediction_shift
 
-        x, _ = run.plan.algo.output(run.state)
+        x, _ = run.plan.algo.returned(run.state)
         m = evaluate(run.plan.model, x, self.test, run.cfg.training, prediction_shift(run.cfg.training, run.setup))
         self.scores[int(row["iteration"])] = (m["test_accuracy"], m["worst_class_accuracy"])
 

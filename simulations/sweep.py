@@ -210,7 +210,7 @@ KEYS_ADDED_LATER = {"block-order": "sequential", "reproducible-for-testing": Fal
                     "eval-data": "auto", "eval-epsilon": 0.1, "eval-noise-multiplier": 0.0,
                     "x-estimator": "spider", "x-storm-a": 0.1, "clip-diff-rule": "fixed", "clip-diff-quantile": 0.5,
                     "clip-diff-quantile-lr": 0.2, "clip-diff-quantile-noise-ratio": 5.0,
-                    "node-sampling-rate": 1.0, "privacy-unit": "record", "momentum": 0.0,
+                    "node-sampling-rate": 1.0, "privacy-unit": "record", "momentum": 0.0, "ema-decay": 0.0,
                     "checkpoint-select": "last", "ddg-bits": "auto",
                     "ddg-wrap-probability": 1e-9, "ddg-shortfall": "refuse", "local-epochs": 0,
                     "local-lr": 0.05, "local-batch": 16, "feature-norm": "groupnorm", "feature-norm-clip": 1.0,

@@ -209,6 +209,24 @@ def test_resumed_run_writes_the_events_summary_and_progress_of_an_uninterrupted_
         {k: v for k, v in full.summary.items() if k not in timing}
 
 
+def test_iterate_average_is_what_the_run_returns_and_survives_a_resume(small_config, tmp_path):
+    """ema-decay (ALGORITHMS.md 5.11): the run returns the average of its iterates (here the plain mean of x_1..x_6,
+    decay 0.9), trains along the same iterates as without it, and a resumed run returns the same average."""
+    keys = {"iterations": 6, "q": 3, "checkpoint_every": 2, "eval_every": 3}
+    plain = run_local(small_config(out_dir=str(tmp_path / "plain"), **keys))
+    full_cfg = small_config(out_dir=str(tmp_path / "full"), ema_decay=0.9, **keys)
+    full = run_local(full_cfg)
+    assert not np.allclose(full.params, plain.params)
+    assert full.summary["releases"] == plain.summary["releases"]
+    part_cfg = small_config(out_dir=str(tmp_path / "part"), ema_decay=0.9, **keys)
+    ds_train, ds_test = load_from_config(part_cfg, True), load_from_config(part_cfg, False)
+    with pytest.raises(Stop):
+        train(part_cfg, _dies_after(4)(part_cfg, ds_train), ds_test)  # dies right after the checkpoint at 2
+    resumed = train(part_cfg, LocalTransport(part_cfg, ds_train), ds_test, resume=True)
+    np.testing.assert_array_equal(resumed.params, full.params)
+    assert resumed.summary["test_accuracy"] == full.summary["test_accuracy"]
+
+
 def test_resume_with_other_config_is_refused(small_config, tmp_path):
     cfg = small_config(out_dir=str(tmp_path / "r"))
     run_local(cfg)

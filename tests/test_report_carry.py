@@ -273,7 +273,7 @@ def test_every_data_set_with_tuned_files_has_published_rows():
 # A value other than the old behaviour for each key added later without a list of choices.
 OTHER_VALUES = {"init-weights": "public.pt", "trainable": "head", "eval-data": "nodes", "eval-epsilon": 0.5,
                 "eval-noise-multiplier": 2.0, "x-storm-a": 0.5, "clip-diff-quantile": 0.9, "clip-diff-quantile-lr": 0.5,
-                "clip-diff-quantile-noise-ratio": 2.0, "node-sampling-rate": 0.5, "momentum": 0.9,
+                "clip-diff-quantile-noise-ratio": 2.0, "node-sampling-rate": 0.5, "momentum": 0.9, "ema-decay": 0.9,
                 "ddg-bits": 20, "ddg-wrap-probability": 1e-6, "local-epochs": 1, "local-lr": 0.1, "local-batch": 8,
                 "feature-norm-clip": 2.0, "feature-norm-noise-multiplier": 4.0, "num-sites": 2}
 # Keys whose other value needs another key changed with it (features=scatternet needs a scatter model); the

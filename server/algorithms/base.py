@@ -30,6 +30,7 @@ class State:
     t: int = 0
     stage: int = 0
     velocity: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) heavy-ball m_t; (0,): none yet
+    x_average: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) ema-decay's a_t; (0,): none yet
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(arrays, JSON scalars) of every field."""
@@ -78,6 +79,27 @@ def with_momentum(state: State, new: State, mu: float) -> State:
     step = new.x - state.x
     velocity = step if state.velocity.size == 0 else mu * state.velocity + step
     return dataclasses.replace(new, x=state.x + velocity, velocity=velocity)
+
+
+def average_weight(t: int, decay: float) -> float:
+    """b_t of the iterate average a_t = b_t a_{t-1} + (1 - b_t) x_t after iteration t >= 1 (config key ema-decay,
+    docs/explanation/ALGORITHMS.md 5.11): min(decay, (t - 1) / t), so a_1 = x_1 and a_t is the plain mean of
+    x_1..x_t until t reaches 1 / (1 - decay), an exponential moving average (De et al. 2022, section 3.1) after.
+    Public (t and decay only). ValueError for t < 1 or decay outside [0, 1)."""
+    if t < 1 or not 0.0 <= decay < 1.0:
+        raise ValueError(f"average_weight: need t >= 1 and ema-decay in [0, 1), got t={t}, ema-decay={decay}")
+    return min(decay, (t - 1) / t)
+
+
+def with_average(state: State, decay: float) -> State:
+    """``state`` with its iterate average updated, when ``state`` just completed iteration t = state.t and
+    ``decay`` (config key ema-decay) is > 0: a_t = b_t a_{t-1} + (1 - b_t) x_t (``average_weight``). A function of
+    released iterates and public constants: post-processing, no privacy cost. decay = 0 returns ``state``."""
+    if decay == 0.0 or state.t < 1:
+        return state
+    b = average_weight(state.t, decay)
+    previous = state.x_average if state.x_average.size else state.x
+    return dataclasses.replace(state, x_average=b * previous + (1.0 - b) * state.x)
 
 
 class Algorithm(ABC):
@@ -178,7 +200,17 @@ class Algorithm(ABC):
         else:
             with self._scaled_step_sizes(factor):
                 new = self.apply(state, released)
-        return with_momentum(state, new, self.cfg.momentum)
+        new = with_momentum(state, new, self.cfg.momentum)
+        return with_average(new, self.cfg.ema_decay) if new.t == state.t + 1 else new
+
+    def returned(self, state: State) -> tuple[np.ndarray, float]:
+        """What an evaluation and the finished run use: ``output(state)`` with its parameters replaced by the
+        iterate average when config key ema-decay > 0 (``with_average``; the dual scalar stays ``output``'s).
+        (d,) float64 and a float."""
+        x, eta = self.output(state)
+        if self.cfg.ema_decay > 0.0 and state.x_average.size:
+            return state.x_average, eta
+        return x, eta
 
     @contextmanager
     def _scaled_step_sizes(self, factor: float):

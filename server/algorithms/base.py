@@ -30,7 +30,7 @@ class State:
     t: int = 0
     stage: int = 0
     velocity: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) heavy-ball m_t; (0,): none yet
-    x_average: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) ema-decay's a_t; (0,): none yet
+    x_average: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # (d,) ema-decay's a_t; (0,): none
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(arrays, JSON scalars) of every field."""

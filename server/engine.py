@@ -254,7 +254,9 @@ def _start(plan: RunPlan, transport: Transport, test: ArrayDataset, resume: bool
 
 def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
     """The metrics row of the run's current output ``x`` (d,) (metrics.csv): test metrics with the prediction shift,
-    the algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory."""
+    the algorithm's extras and diagnostics, the noise monitor's window, epsilon spent, wall time and memory. With
+    ema-decay > 0 and evaluation on the server, also the last iterate's accuracy and worst-class accuracy
+    (``last_iterate_*``): the same trajectory with and without the average, a paired comparison at no privacy cost."""
     algo, releaser = run.plan.algo, run.releaser
     shift = prediction_shift(run.cfg.training, run.setup)
     if node_evaluation.evaluates_on_nodes(run.cfg):  # a charged release of the nodes' noisy counts
@@ -267,10 +269,21 @@ def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
         extras = algo.eval_extras(run.state, metrics.pop("losses"))
         if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
             metrics.pop("eval_dro_objective")
+        if run.cfg.ema_decay > 0:
+            extras.update(_last_iterate_figures(run, shift, node_of))
     return {"iteration": run.state.t, "epsilon_spent": releaser.ledger.epsilon_spent(), **metrics,
             **extras, **algo.diagnostics(run.state),
             **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
             "server_heap_mb": heap_mb()}
+
+
+def _last_iterate_figures(run: TrainingRun, shift, node_of: np.ndarray | None) -> dict:
+    """Accuracy and worst-class accuracy of the last iterate x_t (the algorithm's ``output``, not the average that
+    ema-decay returns), on the server's own evaluation split: no release."""
+    last, _ = run.plan.algo.output(run.state)
+    m = evaluate(run.plan.model, last, run.test, run.cfg.training, shift, node_of=node_of,
+                 num_nodes=run.cfg.num_clients, num_sites=run.cfg.num_sites)
+    return {"last_iterate_accuracy": m["test_accuracy"], "last_iterate_worst_class_accuracy": m["worst_class_accuracy"]}
 
 
 def _test_nodes(run: TrainingRun) -> np.ndarray | None:

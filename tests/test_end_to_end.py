@@ -218,6 +218,11 @@ def test_iterate_average_is_what_the_run_returns_and_survives_a_resume(small_con
     full = run_local(full_cfg)
     assert not np.allclose(full.params, plain.params)
     assert full.summary["releases"] == plain.summary["releases"]
+    # each row also evaluates the last iterate: the plain run's model, on the same trajectory
+    assert [r["last_iterate_accuracy"] for r in full.metrics] == [r["test_accuracy"] for r in plain.metrics]
+    assert [r["last_iterate_worst_class_accuracy"] for r in full.metrics] == \
+        [r["worst_class_accuracy"] for r in plain.metrics]
+    assert "last_iterate_accuracy" not in plain.metrics[-1]
     part_cfg = small_config(out_dir=str(tmp_path / "part"), ema_decay=0.9, **keys)
     ds_train, ds_test = load_from_config(part_cfg, True), load_from_config(part_cfg, False)
     with pytest.raises(Stop):

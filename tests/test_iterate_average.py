@@ -92,3 +92,32 @@ def test_ema_decay_range_is_checked_before_work(value):
 def test_ema_decay_with_a_random_output_iterate_is_refused():
     with pytest.raises(ConfigError, match="ema-decay.*output-iterate"):
         Config.from_mapping({"algorithm": "dp-double-spider", "ema-decay": 0.9, "output-iterate": "random"})
+
+
+def _run_dir(path, rows):
+    import csv
+
+    path.mkdir()
+    with (path / "metrics.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_average_gain_is_the_paired_difference_of_the_final_rows(tmp_path):
+    from dpdro.simulations.average_gain import main, paired_lines
+
+    runs = [_run_dir(tmp_path / f"r{i}", [
+        {"iteration": 0, "test_accuracy": 0.1, "worst_class_accuracy": 0.0, "last_iterate_accuracy": 0.1,
+         "last_iterate_worst_class_accuracy": 0.0},
+        {"iteration": 10, "test_accuracy": 0.9, "worst_class_accuracy": w, "last_iterate_accuracy": 0.88,
+         "last_iterate_worst_class_accuracy": w - d}]) for i, (w, d) in enumerate([(0.8, 0.02), (0.7, 0.04)])]
+    lines = paired_lines(runs)
+    assert "| r0 | 10 | 0.800 | 0.780 | 0.900 | 0.880 |" in lines
+    worst = next(x for x in lines if x.startswith("- worst class"))
+    assert "+0.030 +/- 0.014 over 2 runs" in worst  # mean of 0.02 and 0.04, sd 0.0141
+    accuracy = next(x for x in lines if x.startswith("- accuracy"))
+    assert "+0.020 +/- 0.000" in accuracy and "better" in accuracy
+    plain = _run_dir(tmp_path / "plain", [{"iteration": 0, "test_accuracy": 0.5, "worst_class_accuracy": 0.1}])
+    assert main([str(runs[0]), str(plain)]) == 2

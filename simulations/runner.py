@@ -38,6 +38,19 @@ def run_one(values: dict, progress=None) -> tuple[str, str | None]:
     return cfg.out_dir, None
 
 
+def die_with_parent() -> None:
+    """Worker initialiser: on Linux, ask the kernel to send this process SIGTERM when its parent dies
+    (prctl PR_SET_PDEATHSIG), so that a sweep stopped by `kill` or a scheduler does not leave its workers training
+    on; elsewhere nothing (there a stopped parent's workers run until their current run ends)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # linux/prctl.h
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def run_many(configs: Iterable[Config], jobs: int, desc: str) -> list[tuple[str, str | None]]:
     """Run every config, ``jobs`` at a time (1: in this process); returns run_one's results in order."""
     from tqdm import tqdm
@@ -49,5 +62,6 @@ def run_many(configs: Iterable[Config], jobs: int, desc: str) -> list[tuple[str,
         return [run_one(p) for p in tqdm(plans, desc=desc, unit="run")]
     # spawn, not fork: a parent that has already run torch (the data check of a sweep starts its thread pools)
     # would fork children that deadlock on those pools' locks.
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent) as pool:
         return list(tqdm(pool.map(run_one, plans), total=len(plans), desc=desc, unit="run"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 import pytest
 
@@ -135,3 +136,48 @@ def test_run_many_in_parallel_after_torch_ran_in_the_parent(tmp_path):
     for c in cfgs:
         s = json.loads((tmp_path / f"r{c.seed}" / "summary.json").read_text())
         assert s["iterations"] == 2 and s["seed"] == c.seed and abs(float(s["epsilon_spent"]) - 4.0) < 0.04
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux only")
+def test_workers_of_a_killed_sweep_stop_with_it(tmp_path):
+    """A sweep stopped with `kill` used to leave its spawned workers training on (found after killing a
+    `dpdro lab levers`): run_many's workers now get SIGTERM when their parent dies."""
+    import os
+    import signal
+    import subprocess
+    import textwrap
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    script = tmp_path / "sweep.py"  # a file, not -c: spawned workers import their function from the main module
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing, os, time
+        from concurrent.futures import ProcessPoolExecutor
+        from dpdro.simulations.runner import die_with_parent
+
+        def work(_):
+            open({str(pid_file)!r}, "w").write(str(os.getpid()))
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=die_with_parent) as pool:
+                list(pool.map(work, [0]))
+        """))
+    parent = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.time() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline, "the worker never started"
+        time.sleep(0.2)
+    worker = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError("the worker outlived its killed parent")

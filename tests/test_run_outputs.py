@@ -50,8 +50,10 @@ class Tiny(nn.Module):
 KEYS = {"dataset": "tail-st", "epsilon": 4.0, "iterations": 6, "q": 2, "num-clients": 2, "eval-every": 2,
         "checkpoint-every": 0, "threads": 1, "seed": 3, "lr-x": 1.0}
 BATCHES = {"refresh-batch": 100, "diff-batch": 50, "s-batch": 100}
-# dp-sgd keeps the default refresh-batch (1024), more than tail-st's n: it follows n
-RUNS = {"dp-sgd": {}, "dp-sgd-la": BATCHES, "dp-double-spider": BATCHES, "recursive-spider": BATCHES}
+# dp-sgd keeps the default refresh-batch (1024), more than tail-st's n: it follows n; dp-sgd-la averages its
+# iterates (ema-decay), so its metrics.csv has the last iterate's columns too
+RUNS = {"dp-sgd": {}, "dp-sgd-la": {**BATCHES, "ema-decay": 0.5}, "dp-double-spider": BATCHES,
+        "recursive-spider": BATCHES}
 
 
 @pytest.fixture(scope="module")

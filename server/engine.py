@@ -270,19 +270,19 @@ def _eval_row(run: TrainingRun, x: np.ndarray) -> dict:
         if "eval_dro_objective" not in algo.spec.reports:  # F of key psi: only for the methods that optimise it
             metrics.pop("eval_dro_objective")
         if run.cfg.ema_decay > 0:
-            extras.update(_last_iterate_figures(run, shift, node_of))
+            extras.update(_last_iterate_figures(run, shift))
     return {"iteration": run.state.t, "epsilon_spent": releaser.ledger.epsilon_spent(), **metrics,
             **extras, **algo.diagnostics(run.state),
             **releaser.monitor.take_window(), "wall_seconds": run.wall(), "server_rss_mb": rss_mb(),
             "server_heap_mb": heap_mb()}
 
 
-def _last_iterate_figures(run: TrainingRun, shift, node_of: np.ndarray | None) -> dict:
+def _last_iterate_figures(run: TrainingRun, shift) -> dict:
     """Accuracy and worst-class accuracy of the last iterate x_t (the algorithm's ``output``, not the average that
-    ema-decay returns), on the server's own evaluation split: no release."""
+    ema-decay returns), on the server's own evaluation split: no release (no per-node figures: only these two are
+    kept)."""
     last, _ = run.plan.algo.output(run.state)
-    m = evaluate(run.plan.model, last, run.test, run.cfg.training, shift, node_of=node_of,
-                 num_nodes=run.cfg.num_clients, num_sites=run.cfg.num_sites)
+    m = evaluate(run.plan.model, last, run.test, run.cfg.training, shift)
     return {"last_iterate_accuracy": m["test_accuracy"], "last_iterate_worst_class_accuracy": m["worst_class_accuracy"]}
 
 

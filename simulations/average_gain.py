@@ -21,11 +21,13 @@ from .tables import CONFIDENCE, mean_interval, mean_std
 
 FIGURES = (("worst class", "worst_class_accuracy", "last_iterate_worst_class_accuracy"),
            ("accuracy", "test_accuracy", "last_iterate_accuracy"))
+COLUMNS = ("iteration", "worst_class_accuracy", "last_iterate_worst_class_accuracy", "test_accuracy",
+           "last_iterate_accuracy")
 
 
 def final_row(run: Path) -> dict[str, float]:
-    """The last row of ``run``/metrics.csv as floats. Raises ValueError naming the run when it has no rows or no
-    last-iterate columns (trained without ema-decay, or evaluated on the nodes)."""
+    """The ``COLUMNS`` of the last row of ``run``/metrics.csv, as floats. Raises ValueError naming the run when it
+    has no rows or no last-iterate columns (trained without ema-decay, or evaluated on the nodes)."""
     path = run / "metrics.csv"
     rows = list(csv.DictReader(path.open())) if path.is_file() else []
     if not rows:
@@ -33,15 +35,7 @@ def final_row(run: Path) -> dict[str, float]:
     if "last_iterate_accuracy" not in rows[-1]:
         raise ValueError(f"{run}: metrics.csv has no last_iterate_* columns; allowed: runs trained with ema-decay > 0 "
                          "and evaluated on the server")
-    return {k: float(v) for k, v in rows[-1].items() if v not in ("", None) and _is_number(v)}
-
-
-def _is_number(v: str) -> bool:
-    try:
-        float(v)
-    except ValueError:
-        return False
-    return True
+    return {k: float(rows[-1][k]) for k in COLUMNS}
 
 
 def paired_lines(runs: list[Path]) -> list[str]:

@@ -102,9 +102,17 @@ def current_runs(cfgs: list[Config]) -> set[str]:
 def planned_runs(config: Path, variants: list[Variant], seeds: list[int],
                  root: Path) -> tuple[dict, list[Variant], list[tuple[Variant, int, Config]]]:
     """The configuration file's keys, the table's rows (the file first, then ``variants``) and every run of them
-    (``variant_configs``)."""
+    (``variant_configs``). Raises ConfigError when two rows' labels name the same folder (``slug``; 'file' is
+    the file's own row), which would make two runs write one run directory."""
     base = tomllib.loads(config.read_text())
     rows = [Variant("file", {}), *variants]
+    seen: dict[str, str] = {}
+    for row in rows:
+        if slug(row.label) in seen:
+            raise ConfigError(f"--variant {row.label!r}: its runs would share the folder {slug(row.label)!r} with "
+                              f"the row {seen[slug(row.label)]!r}; give it another label (the file's own row, "
+                              f"'file', is always run)")
+        seen[slug(row.label)] = row.label
     return base, rows, variant_configs(base, rows, seeds, root)
 
 

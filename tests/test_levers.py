@@ -67,3 +67,14 @@ def test_each_variant_is_judged_against_the_file_by_the_reports_interval_rule():
     assert "accuracy -0.100 (worse, 95% interval [" in lines[3]
     assert "too few seeds for an interval" in lines[4]
     assert levers.against_file(rows[:1]) == []
+
+
+def test_two_rows_that_would_share_a_run_folder_are_refused_before_any_run(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('algorithm = "dp-sgd"\ndataset = "mnist-st"\n')
+    with pytest.raises(ConfigError, match="'file'"):  # the file's own row is always there
+        levers.planned_runs(config, [levers.parse_variant("file:")], [0], tmp_path)
+    with pytest.raises(ConfigError, match="'lr 1'"):
+        levers.planned_runs(config, [levers.parse_variant("lr 1: lr-x=1"), levers.parse_variant("LR 1: lr-x=2")],
+                            [0], tmp_path)
+    assert len(levers.planned_runs(config, [levers.parse_variant("lr 1: lr-x=1")], [0, 1], tmp_path)[2]) == 4

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.atomic import atomic_write_text
 from .tune import SPACES
-from .tuned import RECHOSEN_MARK, leading_comments, searched_methods, transferred_from, tuned_config_path
+from .tuned import RECHOSEN_MARK, TUNED_CONFIGS, leading_comments, searched_methods, transferred_from, tuned_config_path
 
 # the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
@@ -333,6 +333,25 @@ def _seed_words(profile) -> str:
             "best other method of the 3-seed tables)")
 
 
+def _shown(configs: Path) -> str:
+    """A configs folder as the report names it: relative to the checkout when inside it."""
+    root = TUNED_CONFIGS.parent.parent.parent
+    try:
+        return str(configs.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(configs)
+
+
+def _research_link(docs: Path, page: str) -> str:
+    """A link from a report written in ``docs`` to a page of the checkout's docs/research/ (the page's bare name when
+    the report is written there, e.g. docs/research/scatter/RESULTS.md links ../NODES.md)."""
+    import os
+
+    research = TUNED_CONFIGS.parent.parent.parent / "docs" / "research"
+    inside = docs.resolve().is_relative_to(research.resolve())
+    return os.path.relpath(research / page, docs.resolve()) if inside else page
+
+
 def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plots: list[Path]) -> Path:
     """docs/research/RESULTS.md for the tuned profile from the collected rows (see sweep.collect)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -351,7 +370,7 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "held-out validation split and evaluated on that split, the winner selected on validation worst-class "
              "(worst-group) accuracy, ties broken by the two lowest classes, then accuracy; the test split was never "
              "used to "
-             "choose anything. The selected configuration of each method (`simulations/configs/tuned/`) was then "
+             f"choose anything. The selected configuration of each method (`{_shown(configs)}/tuned/`) was then "
              "trained on the whole training split at epsilon 1, 4 and 8 (the epsilon 4 hyper-parameters are reused "
              f"at 1 and 8) with seeds {_seed_words(profile)} and evaluated on the test split; cells are mean +/- "
              f"standard deviation over the seeds, {delta_words(rows)}, accountant {_accountants(rows)}, 4 clients, "
@@ -368,9 +387,13 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "64x64, all from CelebA's official training partition) with our seeded split stratified by the 4 "
              "cells, 80/10/10 (split-seed 0): about 8 blond men in each of validation and test, so its worst-group "
              "figures are coarse, and not comparable with published full-CelebA results.", ""]
+    if configs.resolve() != TUNED_CONFIGS.parent.resolve():
+        lines += [f"**These rows run the files of `{_shown(configs)}/tuned/`**, not the main table's: each file's "
+                  "comment lines say where its keys came from and what changed them after the search (the protocol "
+                  "above is the main table's, from which these files start).", ""]
     lines += ["Fleets: node-level privacy against Flower's own DP-FedAvg wrapper on 1,000 simulated nodes, and the "
-              "worst-off node: [NODES.md](NODES.md); round time, start-up and memory from 30 to 1,000 nodes: "
-              "[FLEETS.md](FLEETS.md).", ""]
+              f"worst-off node: [NODES.md]({_research_link(docs, 'NODES.md')}); round time, start-up and memory "
+              f"from 30 to 1,000 nodes: [FLEETS.md]({_research_link(docs, 'FLEETS.md')}).", ""]
     lines += goal_lines(groups, best_method_of(configs)) + [""] + paper_goal_lines(groups) + [""]
     for ds in profile.datasets:
         have = [a for a in profile.algorithms if any((ds, a, e) in groups for e in eps_cols)]
@@ -417,8 +440,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
             body = (docs / extra).read_text().splitlines()
             lines += ["#" + body[0], *body[1:], ""]
     lines += ["The tuning trials (every searched configuration with its validation figures) are in "
-              "[TUNING.md](TUNING.md); the untuned quick profile of an earlier version is in "
-              "[RESULTS-quick.md](RESULTS-quick.md).", ""]
+              f"[TUNING.md]({_research_link(docs, 'TUNING.md')}); the untuned quick profile of an earlier version "
+              f"is in [RESULTS-quick.md]({_research_link(docs, 'RESULTS-quick.md')}).", ""]
     out = docs / "RESULTS.md"
     atomic_write_text(out, "\n".join(lines))
     return out

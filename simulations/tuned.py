@@ -34,7 +34,9 @@ def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
     if not files:
         return None
     first = files[0].read_text().splitlines()[0]
-    return first.split("--transfer-from ")[1].split("`")[0] if first.startswith(TRANSFER_MARK) else None
+    if not first.startswith(TRANSFER_MARK) or "--transfer-from " not in first:
+        return None
+    return first.split("--transfer-from ")[1].split("`")[0]
 
 
 def searched_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:

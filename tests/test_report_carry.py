@@ -243,17 +243,23 @@ def test_a_finished_run_of_an_older_configuration_is_neither_skipped_nor_reporte
     assert sorted((c.algorithm, c.lr_x) for c in started) == [("dp-sgd-la", 7.5)] * 2
 
 
-def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configuration(tmp_path):
-    """docs/research/results.csv is only as good as its fingerprints: every row must be carried by a report on a machine
-    without run directories (here: none at all), i.e. its config_sha is the fingerprint of what the checked-in
-    tuned files plan for its cell. Adding a configuration key without KEYS_ADDED_LATER, or changing a tuned file
-    without new runs, breaks this."""
-    published = Path(__file__).resolve().parent.parent / "docs" / "research" / "results.csv"
-    with open(published, newline="") as f:
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("published, configs, at_least", [
+    ("docs/research/results.csv", "simulations/configs/tuned", 100),
+    ("docs/research/scatter/results.csv", "simulations/configs/scatter/tuned", 30)])
+def test_every_published_result_keeps_the_fingerprint_of_its_checked_in_configuration(tmp_path, published, configs,
+                                                                                       at_least):
+    """A published results.csv is only as good as its fingerprints: every row must be carried by a report on a
+    machine without run directories (here: none at all), i.e. its config_sha is the fingerprint of what the
+    checked-in tuned files (the main table's, or the scattering-feature table's) plan for its cell. Adding a
+    configuration key without KEYS_ADDED_LATER, or changing a tuned file without new runs, breaks this."""
+    with open(REPO / published, newline="") as f:
         cells = {sweep._cell(r) for r in csv.DictReader(f)}
-    planned = sweep.plan_runs(sweep.PROFILES["tuned"], tmp_path)
-    carried = {sweep._cell(r) for r in sweep.carried_rows(published, planned, [])}
-    assert len(cells) > 100 and carried == cells, sorted(cells - carried)[:5]
+    planned = sweep.plan_runs(sweep.PROFILES["tuned"], tmp_path, tuned_folder=REPO / configs)
+    carried = {sweep._cell(r) for r in sweep.carried_rows(REPO / published, planned, [])}
+    assert len(cells) >= at_least and carried == cells, sorted(cells - carried)[:5]
 
 
 def test_every_data_set_with_tuned_files_has_published_rows():
@@ -364,3 +370,20 @@ def test_the_worst_group_record_line_lists_each_run_that_records_its_count():
     line = worst_records_line(groups, "celeba", (4.0,), ["dp-sgd", "dp-sgd-la"])
     assert "dp-sgd-la eps 4: 8, 9." in line and "dp-sgd eps" not in line
     assert worst_records_line(groups, "celeba", (1.0,), ["dp-sgd-la"]) == ""
+
+
+def test_a_tuned_report_of_other_config_files_names_them_and_the_main_one_does_not(tmp_path):
+    """`dpdro lab report --configs F` (e.g. simulations/configs/scatter) ran F's files: the report says so instead of
+    naming the main table's folder as the source of its rows."""
+    from dpdro.simulations import tables
+    from dpdro.simulations.tuned import TUNED_CONFIGS
+
+    tuned = sweep.PROFILES["tuned"]
+    other = tables.write_tuned_report([], tuned, tmp_path / "a", _tuned(tmp_path / "mine").parent, []).read_text()
+    assert f"These rows run the files of `{tmp_path / 'mine'}/tuned/`" in other
+    assert f"each method (`{tmp_path / 'mine'}/tuned/`)" in other
+    main = tables.write_tuned_report([], tuned, tmp_path / "b", TUNED_CONFIGS.parent, []).read_text()
+    assert "These rows run" not in main and "each method (`simulations/configs/tuned/`)" in main
+    research = TUNED_CONFIGS.parent.parent.parent / "docs" / "research"
+    assert tables._research_link(research / "scatter", "NODES.md") == "../NODES.md"  # mkdocs --strict checks it
+    assert tables._research_link(research, "NODES.md") == tables._research_link(tmp_path, "NODES.md") == "NODES.md"

@@ -378,7 +378,8 @@ def write_tuned_report(rows: list[dict], profile, docs: Path, configs: Path, plo
              "pre-training). 'worst' is the worst-class test accuracy (MNIST-ST, Fashion-MNIST-ST, CIFAR10-ST) or "
              "the worst-group test accuracy over the 4 (Blond_Hair, Male) cells (CelebA). An empty cell is a run not "
              "made yet (`dpdro lab sweep --profile tuned --jobs 2` runs exactly the missing ones); '(n=k)' after a "
-             "method is the most seeds of any of its cells, and a cell with fewer seeds says its own n. "
+             "method is the most seeds of any of its cells, and a cell with fewer seeds than the protocol plans for it "
+             "(the seeds above) says its own n. "
              + carried_sentence(rows), "",
              "**Not privacy-accounted**: the hyper-parameter search itself (it reads noiseless validation metrics of "
              "private training records; private selection such as random stopping is not implemented). Every "

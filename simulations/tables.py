@@ -333,11 +333,13 @@ def _seed_words(profile) -> str:
             "best other method of the 3-seed tables)")
 
 
+_CHECKOUT = TUNED_CONFIGS.parent.parent.parent  # simulations/configs/tuned -> the checkout
+
+
 def _shown(configs: Path) -> str:
     """A configs folder as the report names it: relative to the checkout when inside it."""
-    root = TUNED_CONFIGS.parent.parent.parent
     try:
-        return str(configs.resolve().relative_to(root.resolve()))
+        return str(configs.resolve().relative_to(_CHECKOUT.resolve()))
     except ValueError:
         return str(configs)
 
@@ -347,7 +349,7 @@ def _research_link(docs: Path, page: str) -> str:
     the report is written there, e.g. docs/research/scatter/RESULTS.md links ../NODES.md)."""
     import os
 
-    research = TUNED_CONFIGS.parent.parent.parent / "docs" / "research"
+    research = _CHECKOUT / "docs" / "research"
     inside = docs.resolve().is_relative_to(research.resolve())
     return os.path.relpath(research / page, docs.resolve()) if inside else page
 

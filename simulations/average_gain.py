@@ -17,12 +17,11 @@ import csv
 import sys
 from pathlib import Path
 
-from .tables import CONFIDENCE, mean_interval, mean_std
+from .tables import CONFIDENCE, interval_word, mean_interval, mean_std
 
 FIGURES = (("worst class", "worst_class_accuracy", "last_iterate_worst_class_accuracy"),
            ("accuracy", "test_accuracy", "last_iterate_accuracy"))
-COLUMNS = ("iteration", "worst_class_accuracy", "last_iterate_worst_class_accuracy", "test_accuracy",
-           "last_iterate_accuracy")
+COLUMNS = ("iteration", *(column for _, average, last in FIGURES for column in (average, last)))
 
 
 def final_row(run: Path) -> dict[str, float]:
@@ -56,9 +55,8 @@ def paired_lines(runs: list[Path]) -> list[str]:
         if ci is None:
             lines.append(f"- {label}: average minus last iterate {m:+.3f} (one run: no interval)")
             continue
-        word = "better" if ci[0] > 0 else "worse" if ci[1] < 0 else "no clear difference"
-        lines.append(f"- {label}: average minus last iterate {m:+.3f} +/- {s:.3f} over {len(diffs)} runs, {word}, "
-                     f"{CONFIDENCE:.0%} interval [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+        lines.append(f"- {label}: average minus last iterate {m:+.3f} +/- {s:.3f} over {len(diffs)} runs, "
+                     f"{interval_word(*ci)}, {CONFIDENCE:.0%} interval [{ci[0]:+.3f}, {ci[1]:+.3f}]")
     return lines
 
 

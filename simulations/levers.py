@@ -108,11 +108,11 @@ def planned_runs(config: Path, variants: list[Variant], seeds: list[int],
     rows = [Variant("file", {}), *variants]
     seen: dict[str, str] = {}
     for row in rows:
-        if slug(row.label) in seen:
-            raise ConfigError(f"--variant {row.label!r}: its runs would share the folder {slug(row.label)!r} with "
-                              f"the row {seen[slug(row.label)]!r}; give it another label (the file's own row, "
-                              f"'file', is always run)")
-        seen[slug(row.label)] = row.label
+        folder = slug(row.label)
+        if folder in seen:
+            raise ConfigError(f"--variant {row.label!r}: its runs would share the folder {folder!r} with the row "
+                              f"{seen[folder]!r}; give it another label (the file's own row, 'file', is always run)")
+        seen[folder] = row.label
     return base, rows, variant_configs(base, rows, seeds, root)
 
 

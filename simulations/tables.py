@@ -68,6 +68,11 @@ def mean_interval(values: list[float], level: float = CONFIDENCE) -> tuple[float
     return float(a.mean()) - half, float(a.mean()) + half
 
 
+def interval_word(lo: float, hi: float) -> str:
+    """The report's decision rule on an interval of a difference: 'better' / 'worse' only where it excludes 0."""
+    return "better" if lo > 0 else "worse" if hi < 0 else "no clear difference"
+
+
 def verdict(a: list[float], b: list[float]) -> str:
     """'better' / 'worse' only where the 95 % interval of mean(a) - mean(b) excludes 0, else 'no clear
     difference'; the interval follows in brackets, or 'too few seeds' when a side has one run."""
@@ -75,8 +80,7 @@ def verdict(a: list[float], b: list[float]) -> str:
     if ci is None:
         return "too few seeds for an interval"
     lo, hi = ci
-    word = "better" if lo > 0 else "worse" if hi < 0 else "no clear difference"
-    return f"{word}, {CONFIDENCE:.0%} interval [{lo:+.3f}, {hi:+.3f}]"
+    return f"{interval_word(lo, hi)}, {CONFIDENCE:.0%} interval [{lo:+.3f}, {hi:+.3f}]"
 
 
 LEGACY_DELTA = "n^-1.1"  # delta = 'auto' before 2026-12-02: a legacy row's delta column (sweep.LEGACY_DEFAULTS)

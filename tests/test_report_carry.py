@@ -384,6 +384,6 @@ def test_a_tuned_report_of_other_config_files_names_them_and_the_main_one_does_n
     assert f"each method (`{tmp_path / 'mine'}/tuned/`)" in other
     main = tables.write_tuned_report([], tuned, tmp_path / "b", TUNED_CONFIGS.parent, []).read_text()
     assert "These rows run" not in main and "each method (`simulations/configs/tuned/`)" in main
-    research = TUNED_CONFIGS.parent.parent.parent / "docs" / "research"
+    research = REPO / "docs" / "research"
     assert tables._research_link(research / "scatter", "NODES.md") == "../NODES.md"  # mkdocs --strict checks it
     assert tables._research_link(research, "NODES.md") == tables._research_link(tmp_path, "NODES.md") == "NODES.md"

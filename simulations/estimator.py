@@ -29,6 +29,14 @@ of the refresh clip's cut over the phase). Every per-record vector comes from th
 (``server.engine.plan_run``: equal total epsilon, the allocation rule included), the sensitivities from the
 releaser's decoration of each query. The terms are computed, not sampled.
 
+A run does not update with one estimate but with many: the per-iteration MSE says nothing of how the errors of
+consecutive estimates add up. At q = 1 every estimate carries fresh noise, which averages out over iterations; in a
+SPIDER phase the refresh's noise enters all q estimates of the phase and each difference's noise every later one,
+so they do not. The window variance measures this: the variance (sampling + noise) of the mean of the estimates
+over a window of W = max(q) iterations, the mean that W plain steps apply, from complete phases (W / q
+independent ones, release k of a phase entering it with coefficient c_k = (1/q) sum_{i=0}^{q-1-k} decay^i, decay 1
+for SPIDER), with the clip bias left out. At q = 1 it is the per-release variance / W.
+
 The trajectory: the method's own run at ``--trajectory-q`` (default 1) through the product's releaser
 (setup releases, calibrated noise, Poisson batches, warm-up), its noise and batches drawn from ``seed``; its
 states (x_t, x_{t-1}, the dual variables, the group weights) are public iterates, and every q is measured at the
@@ -95,7 +103,7 @@ ROW_COLUMNS = ("method", "level", "block", "epsilon", "q", "t", "kind", "mse", "
                "target_sq", "clip", "clip_fraction", "clip_ratio", "step_norm")
 SUMMARY_COLUMNS = ("method", "level", "block", "epsilon", "q", "epsilon_planned", "z_refresh", "z_diff", "mse",
                    "sampling", "noise", "clip_bias", "target_sq", "mse_vs_q1", "dominant", "step_norm", "diff_clip",
-                   "diff_clip_fraction", "diff_clip_ratio")
+                   "diff_clip_fraction", "diff_clip_ratio", "window_var", "window_vs_q1")
 
 
 @dataclass(frozen=True)
@@ -168,12 +176,37 @@ def estimate_terms(refresh: ReleaseStats, diffs: Sequence[ReleaseStats], target:
     expected = sum(w * s.unit * s.mean for w, (s, _) in zip(weights, releases, strict=True))
     goal = target.unit * target.mean
     bias = float(np.sum((expected - goal) ** 2))
-    sampling = sum(w**2 * s.unit**2 * (1.0 - s.rate) / (s.rate * n) * s.mean_sq
-                   for w, (s, _) in zip(weights, releases, strict=True))
-    noise = sum(w**2 * s.unit**2 * s.dim * (z * s.sensitivity / (s.rate * n)) ** 2
-                for w, (s, z) in zip(weights, releases, strict=True) if z > 0)
+    parts = [release_variance(s, z, n) for s, z in releases]
+    sampling = sum(w**2 * p[0] for w, p in zip(weights, parts, strict=True))
+    noise = sum(w**2 * p[1] for w, p in zip(weights, parts, strict=True))
     return {"mse": bias + sampling + noise, "sampling": sampling, "noise": noise, "clip_bias": bias,
             "target_sq": float(np.sum(goal**2))}
+
+
+def release_variance(stats: ReleaseStats, z: float, n: int) -> tuple[float, float]:
+    """(sampling, noise) variance of one release of n records at noise multiplier z, in the estimator's units
+    squared: (1 - r) / (r n) times the mean squared clipped norm, and D (z S / (r n))^2 (module docstring)."""
+    unit_sq = stats.unit**2
+    sampling = unit_sq * (1.0 - stats.rate) / (stats.rate * n) * stats.mean_sq
+    noise = unit_sq * stats.dim * (z * stats.sensitivity / (stats.rate * n)) ** 2 if z > 0 else 0.0
+    return sampling, noise
+
+
+def phase_mean_variance(releases: Sequence[tuple[ReleaseStats, float]], n: int, decay: float = 1.0) -> float:
+    """Variance (sampling + noise) of the mean of one phase's q estimates b_{t0} .. b_{t0+q-1}, the phase's releases
+    ``(stats, z)`` in order (refresh first, q of them in all): release k enters estimates t0+k .. t0+q-1 with weights
+    decay^(t - t0 - k) (``estimate_terms``), so its coefficient in the mean is c_k = (1/q) sum_{i=0}^{q-1-k} decay^i
+    and the variance is sum_k c_k^2 Var(release k), the releases' batches and noises being independent."""
+    q = len(releases)
+    return sum((sum(decay**i for i in range(q - k)) / q) ** 2 * sum(release_variance(s, z, n))
+               for k, (s, z) in enumerate(releases))
+
+
+def window_variance(phases: Sequence[float], q: int, window: int) -> float:
+    """Variance of the mean of the estimates over ``window`` iterations (a multiple of q): window / q independent
+    phases, each with the mean of its phase variances ``phases`` (``phase_mean_variance``), so (q / window) times
+    that mean; nan without a complete phase."""
+    return q / window * float(np.mean(phases)) if phases else math.nan
 
 
 @dataclass
@@ -353,7 +386,7 @@ def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = D
     pairs = _pairs(trajectory.algo)
     step = {s.t: trajectory.algo.diagnostics(s).get("step_norm", math.nan) for s in trajectory.states
             if s.stage == 0}
-    rows, plans = [], {}
+    rows, plans, windows = [], {}, {}
     for q in qs:
         q_cfg = Config.from_mapping({**base, "q": q})
         noise, eps = noise_plan(q_cfg, n, trajectory.dim, train.num_classes, train.num_groups, trajectory.delta)
@@ -370,11 +403,17 @@ def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = D
                              "epsilon": cfg.epsilon, "q": q, "t": t, "kind": kind, **terms, "clip": this.clip,
                              "clip_fraction": this.clip_fraction, "clip_ratio": this.clip_ratio,
                              "step_norm": step.get(t, math.nan)})
+            decay = 1.0 - levers.storm_a(q_cfg) if ref == "x-refresh" else 1.0
+            phases = [phase_mean_variance([(stats[(ref, t0, REFRESH)], noise[ref]),
+                                           *((stats[(ref, k, DIFF)], noise[diff]) for k in range(t0 + 1, t0 + q))],
+                                          n, decay)
+                      for t0 in ts if t0 % q == 0 and t0 + q - 1 in ts]  # complete phases only
+            windows[(block_name(ref), q)] = window_variance(phases, q, max(qs))
     facts = {"n": n, "delta": trajectory.delta, "target_records": m, "dim": trajectory.dim, "seed": seed,
              "iterations_planned": cfg.iterations, "measured": [skip, skip + measure - 1],
              "trajectory": f"{cfg.algorithm} at q={trajectory_q}, dro-level={cfg.dro_level}, epsilon={cfg.epsilon:g}",
              "trajectory_noise": trajectory.noise, "plans": plans, "keys": {k: _plain(v) for k, v in keys.items()}}
-    return Diagnosis(rows, summarise(rows, plans, pairs), facts, trajectory)
+    return Diagnosis(rows, summarise(rows, plans, pairs, windows), facts, trajectory)
 
 
 def block_name(refresh: str) -> str:
@@ -382,11 +421,14 @@ def block_name(refresh: str) -> str:
     return refresh.removesuffix("-refresh")
 
 
-def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple[str, str]]) -> list[dict]:
+def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple[str, str]],
+              windows: Mapping[tuple[str, int], float] | None = None) -> list[dict]:
     """One row per (method, level, block, epsilon, q): the means over t of mse and its terms, the term with the
     largest mean ('dominant'; 'none' when all are 0), mse relative to q = 1's (when measured), the planned epsilon
-    and noise multipliers, the mean step length Delta_t, and the mean clip, clipped fraction and cut ratio of the
-    difference releases."""
+    and noise multipliers, the mean step length Delta_t, the mean clip, clipped fraction and cut ratio of the
+    difference releases, and the window variance ``windows[(block, q)]`` (nan when absent) and its ratio to
+    q = 1's."""
+    windows = windows or {}
     out = []
     refresh_of = {block_name(r): (r, d) for r, d in pairs}
     keys = sorted({(r["method"], r["level"], r["block"], r["epsilon"], r["q"]) for r in rows},
@@ -404,11 +446,14 @@ def summarise(rows: list[dict], plans: Mapping[int, dict], pairs: Sequence[tuple
                     "step_norm": _mean([r["step_norm"] for r in mine]),
                     "diff_clip": _mean([r["clip"] for r in diffs]),
                     "diff_clip_fraction": _mean([r["clip_fraction"] for r in diffs]),
-                    "diff_clip_ratio": _mean([r["clip_ratio"] for r in diffs])})
+                    "diff_clip_ratio": _mean([r["clip_ratio"] for r in diffs]),
+                    "window_var": windows.get((block, q), math.nan), "window_vs_q1": math.nan})
     for row in out:
         first = [o for o in out if o["q"] == 1 and all(o[k] == row[k] for k in ("method", "level", "block", "epsilon"))]
         if first and first[0]["mse"] > 0:
             row["mse_vs_q1"] = row["mse"] / first[0]["mse"]
+        if first and first[0]["window_var"] > 0:
+            row["window_vs_q1"] = row["window_var"] / first[0]["window_var"]
     return out
 
 
@@ -436,13 +481,13 @@ def table_text(summary: list[dict]) -> str:
     ||g||^2, the mean terms, the dominant one, mse against q = 1, the mean step Delta_t and the difference clip's
     statistics."""
     head = ("| method | level | block | eps | q | z ref / diff | \\|g\\|^2 | mse | sampling | noise | clip bias | "
-            "dominant | mse / q=1 | step | diff clip | clipped | cut ratio |")
+            "dominant | mse / q=1 | window / q=1 | step | diff clip | clipped | cut ratio |")
     lines = [head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]  # \| is a pipe inside a cell
     for r in summary:
         lines.append(f"| {r['method']} | {r['level']} | {r['block']} | {r['epsilon']:g} | {r['q']} | "
                      f"{r['z_refresh']:.3g} / {r['z_diff']:.3g} | {r['target_sq']:.3g} | {r['mse']:.3g} | "
                      f"{r['sampling']:.3g} | {r['noise']:.3g} | {r['clip_bias']:.3g} | {r['dominant']} | "
-                     f"{r['mse_vs_q1']:.3g} | {r['step_norm']:.3g} | {r['diff_clip']:.3g} | "
+                     f"{r['mse_vs_q1']:.3g} | {r['window_vs_q1']:.3g} | {r['step_norm']:.3g} | {r['diff_clip']:.3g} | "
                      f"{r['diff_clip_fraction']:.3g} | {r['diff_clip_ratio']:.3g} |")
     return "\n".join(lines) + "\n"
 

@@ -139,7 +139,7 @@ def _mean_std(values: list[float]) -> str:
 
 def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Path) -> list[dict]:
     """One dict per variant: label, changes, n (finished seeds), worst and accuracy at the file's tau (lists over
-    seeds), and the best tau of ``TAU_GRID`` by mean worst with its mean worst and accuracy."""
+    seeds), and the best tau of ``TAU_GRID`` by mean worst with its mean worst and accuracy (``_worst``)."""
     from .posthoc_tau import scan
 
     base, table, planned = planned_runs(config, variants, seeds, root)
@@ -149,7 +149,7 @@ def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Pa
         done = [Path(cfg.out_dir) for w, _, cfg in planned if w is v and cfg.out_dir in current]
         sums = [json.loads((r / "summary.json").read_text()) for r in done]
         row = {"label": v.label, "changes": v.changes, "n": len(done),
-               "worst": [s["worst_class_accuracy"] for s in sums], "accuracy": [s["test_accuracy"] for s in sums]}
+               "worst": [_worst(s) for s in sums], "accuracy": [s["test_accuracy"] for s in sums]}
         if done and {**base, **v.changes}.get("algorithm") != "dp-sgda":
             terms = scan(done, list(TAU_GRID))
             best = max(range(len(TAU_GRID)), key=lambda i: (terms[i][0], terms[i][2]))
@@ -158,25 +158,51 @@ def lever_rows(config: Path, variants: list[Variant], seeds: list[int], root: Pa
     return rows
 
 
-def against_file(rows: list[dict]) -> list[str]:
-    """Each variant's difference from the file row in mean worst class and mean accuracy (at the file's tau), with
-    the report's decision rule (``tables.verdict``: 'better' / 'worse' only where the Welch 95 % interval of the
-    difference excludes 0)."""
+def _worst(summary: dict) -> float:
+    """The search's worst of a run's summary.json: its worst group's accuracy when it has groups (CelebA's,
+    ``server.objective.evaluation_terms``), else its worst class's."""
+    from ..server.objective import evaluation_terms
+
+    if summary.get("per_group_accuracy") is not None:
+        return evaluation_terms(summary)[0]
+    return summary["worst_class_accuracy"]
+
+
+def check_against(labels, against) -> None:
+    """Raises ConfigError naming the first label of ``against`` (``--against``) that no row of ``labels`` has."""
+    for base in against:
+        if base not in labels:
+            raise ConfigError(f"--against {base!r}: no row has that label; the rows are {sorted(labels)}")
+
+
+def against_file(rows: list[dict], base: str = "file") -> list[str]:
+    """Each other variant's difference from the row labelled ``base`` (default the file's own row) in mean worst
+    class and mean accuracy (at the file's tau), with the report's decision rule (``tables.verdict``: 'better' /
+    'worse' only where the Welch 95 % interval of the difference excludes 0). Raises ConfigError when no row has
+    that label."""
     from .tables import verdict
 
-    file, out = rows[0], []
-    for r in rows[1:]:
-        if r["worst"] and file["worst"]:
-            dw = statistics.mean(r["worst"]) - statistics.mean(file["worst"])
-            da = statistics.mean(r["accuracy"]) - statistics.mean(file["accuracy"])
-            out.append(f"- {r['label']} against the file: worst {dw:+.3f} ({verdict(r['worst'], file['worst'])}), "
-                       f"accuracy {da:+.3f} ({verdict(r['accuracy'], file['accuracy'])}).")
-    return ["At the file's tau, each variant against the file (n seeds each):", "", *out] if out else []
+    by_label = {r["label"]: r for r in rows}
+    check_against(by_label, [base])
+    ref, out = by_label[base], []
+    name = "the file" if base == "file" else base
+    for r in rows:
+        if r is not ref and r["worst"] and ref["worst"]:
+            dw = statistics.mean(r["worst"]) - statistics.mean(ref["worst"])
+            da = statistics.mean(r["accuracy"]) - statistics.mean(ref["accuracy"])
+            out.append(f"- {r['label']} against {name}: worst {dw:+.3f} ({verdict(r['worst'], ref['worst'])}), "
+                       f"accuracy {da:+.3f} ({verdict(r['accuracy'], ref['accuracy'])}).")
+    return [f"At the file's tau, each variant against {name} (n seeds each):", "", *out] if out else []
 
 
-def write_levers(config: Path, variants: list[Variant], seeds: list[int], root: Path, docs: Path, name: str) -> Path:
-    """``<docs>/levers-<name>.md`` and ``.csv`` from the finished runs; returns the markdown path."""
+def write_levers(config: Path, variants: list[Variant], seeds: list[int], root: Path, docs: Path, name: str,
+                 against: tuple[str, ...] = ()) -> Path:
+    """``<docs>/levers-<name>.md`` and ``.csv`` from the finished runs; returns the markdown path. Every variant is
+    compared with the file's row, and also with each row labelled in ``against`` (``--against``: e.g. a variant at
+    another epsilon that the rows beside it change one key of)."""
     rows = lever_rows(config, variants, seeds, root)
+    for base in against:  # an unknown label fails before anything is written
+        against_file(rows, base)
     lines = [f"# Levers: {name}", "",
              f"Generated by `dpdro lab levers --config {config}` (seeds {' '.join(map(str, seeds))}). Every row is "
              "trained on the training split minus its validation split and evaluated on the validation split "
@@ -191,6 +217,8 @@ def write_levers(config: Path, variants: list[Variant], seeds: list[int], root: 
         lines.append(f"| {r['label']} | {keys} | {r['n']} | {_mean_std(r['worst'])} | {_mean_std(r['accuracy'])} "
                      f"| {best} |")
     lines += ["", *against_file(rows)]
+    for base in against:
+        lines += ["", *against_file(rows, base)]
     docs.mkdir(parents=True, exist_ok=True)
     md = docs / f"levers-{name}.md"
     atomic_write_text(md, "\n".join(lines) + "\n")

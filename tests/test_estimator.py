@@ -30,7 +30,10 @@ from dpdro.simulations.estimator import (
     diagnose,
     estimate_terms,
     noise_plan,
+    phase_mean_variance,
     release_stats,
+    release_variance,
+    window_variance,
 )
 
 N = 40
@@ -92,6 +95,34 @@ def test_noise_term_is_the_analytic_value(records):
                                                            for k in range(t0 + 1, r["t"] + 1)]
         assert r["noise"] == pytest.approx(d.trajectory.dim * sum(s**2 for s in std), rel=1e-12)
     assert rows[1]["noise"] > rows[0]["noise"] > 0
+    # the window (W = 4 iterations): at q = 1 the per-release variance / W, averaged over the iterations
+    q1 = rows_of(d, "x", 1)
+    summary = {r["q"]: r for r in d.summary if r["block"] == "x"}
+    assert summary[1]["window_var"] == pytest.approx(np.mean([r["noise"] + r["sampling"] for r in q1]) / 4)
+    assert summary[1]["window_vs_q1"] == 1.0
+    assert summary[4]["window_vs_q1"] == pytest.approx(summary[4]["window_var"] / summary[1]["window_var"])
+
+
+def _stats(noise_var: float, sampling_var: float, n: int = 100) -> tuple:
+    """(ReleaseStats, z) of one coordinate whose release has the given noise and sampling variances (rate 1/2)."""
+    from dpdro.simulations.estimator import ReleaseStats
+
+    rate = 0.5
+    mean_sq = sampling_var * rate * n / (1 - rate)
+    return ReleaseStats(np.zeros(1), mean_sq, 0.0, math.nan, 1.0, rate, 1, 1.0), math.sqrt(noise_var) * rate * n
+
+
+def test_window_variance_counts_how_often_each_release_is_reused():
+    """A refresh R (variance a) and a difference D (variance b) in a phase of q = 2: the mean of the phase's two
+    estimates R and R + D is R + D/2, variance a + b/4; with STORM's decay 0.5 the estimates are R and 0.5 R + D,
+    mean 0.75 R + 0.5 D. Fresh releases every iteration (q = 1) average: the window of 2 halves the variance."""
+    refresh, diff = _stats(3.0, 1.0), _stats(0.5, 0.3)
+    assert sum(release_variance(*refresh, 100)) == pytest.approx(4.0)
+    assert phase_mean_variance([refresh, diff], 100) == pytest.approx(4.0 + 0.8 / 4)
+    assert phase_mean_variance([refresh, diff], 100, decay=0.5) == pytest.approx(0.75**2 * 4.0 + 0.25 * 0.8)
+    assert window_variance([phase_mean_variance([refresh], 100)] * 2, q=1, window=2) == pytest.approx(2.0)
+    assert window_variance([4.2], q=2, window=2) == pytest.approx(4.2)
+    assert math.isnan(window_variance([], q=4, window=4))
 
 
 def test_clip_bias_vanishes_with_huge_clips_and_is_the_cut_with_tiny_ones(records):

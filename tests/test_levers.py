@@ -51,6 +51,10 @@ def test_levers_train_once_and_tabulate_the_validation_figures(tmp_path):
     assert levers.lever_rows(config, variants, [0], tmp_path / "runs")[0]["n"] == 0  # its old runs are not its rows
     levers.run_levers(config, variants, [0], tmp_path / "runs", jobs=1)  # so they are trained again
     assert json.loads((tmp_path / "runs" / "file-seed0" / "summary.json").read_text())["iterations"] == 3
+    # a run with groups (CelebA's) is judged by its worst group, as the search judges it
+    path = tmp_path / "runs" / "momentum-seed0" / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "per_group_accuracy": [0.9, 0.125]}))
+    assert levers.lever_rows(config, variants, [0], tmp_path / "runs")[1]["worst"] == [0.125]
 
 
 def test_each_variant_is_judged_against_the_file_by_the_reports_interval_rule():
@@ -78,3 +82,17 @@ def test_two_rows_that_would_share_a_run_folder_are_refused_before_any_run(tmp_p
         levers.planned_runs(config, [levers.parse_variant("lr 1: lr-x=1"), levers.parse_variant("LR 1: lr-x=2")],
                             [0], tmp_path)
     assert len(levers.planned_runs(config, [levers.parse_variant("lr 1: lr-x=1")], [0, 1], tmp_path)[2]) == 4
+
+
+def test_variants_are_also_judged_against_a_named_row():
+    """``--against LABEL``: every other row, the file's included, against that row; an unknown label is refused."""
+    rows = [{"label": "file", "worst": [0.90, 0.91, 0.92], "accuracy": [0.95, 0.95, 0.96]},
+            {"label": "eps1 q1", "worst": [0.70, 0.71, 0.72], "accuracy": [0.86, 0.87, 0.86]},
+            {"label": "eps1 q4", "worst": [0.60, 0.61, 0.62], "accuracy": [0.90, 0.90, 0.91]}]
+    lines = levers.against_file(rows, "eps1 q1")
+    assert lines[0] == "At the file's tau, each variant against eps1 q1 (n seeds each):"
+    assert lines[2].startswith("- file against eps1 q1: worst +0.200 (better")
+    assert lines[3].startswith("- eps1 q4 against eps1 q1: worst -0.100 (worse")
+    assert "accuracy +0.040 (better" in lines[3]
+    with pytest.raises(ConfigError, match="'eps8'"):
+        levers.against_file(rows, "eps8")

@@ -22,18 +22,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="the table's name (default: the config file's stem)")
     p.add_argument("--root", default="runs/levers", help="the runs live in ROOT/NAME (default: runs/levers)")
     shared.add_output_arguments(p, "levers-NAME.md", "runs/levers")
+    p.add_argument("--against", action="append", default=[], metavar="LABEL",
+                   help="also compare every variant with the row of this label (repeatable; the file's row always)")
     p.add_argument("--report", action="store_true", help="run nothing: write the table from finished runs")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dpdro.simulations.levers import parse_variant, run_levers, write_levers
+    from dpdro.simulations.levers import check_against, parse_variant, run_levers, write_levers
 
     config = Path(args.config)
     name = args.name or config.stem
     runs = Path(args.root) / name
     variants = [parse_variant(v) for v in args.variant]  # every variant parsed before any run
+    check_against({"file", *(v.label for v in variants)}, args.against)
     seeds = [int(s) for s in args.seeds]
     if not args.report:
         run_levers(config, variants, seeds, runs, args.jobs)
-    print(write_levers(config, variants, seeds, runs, shared.docs_dir(args), name).read_text())
+    print(write_levers(config, variants, seeds, runs, shared.docs_dir(args), name,
+                       tuple(args.against)).read_text())
     return 0

@@ -15,7 +15,15 @@ from pathlib import Path
 from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.atomic import atomic_write_text
 from .tune import SPACES
-from .tuned import RECHOSEN_MARK, TUNED_CONFIGS, leading_comments, searched_methods, transferred_from, tuned_config_path
+from .tuned import (
+    RECHOSEN_MARK,
+    TUNED_CONFIGS,
+    leading_comments,
+    lever_chosen_methods,
+    searched_methods,
+    transferred_from,
+    tuned_config_path,
+)
 
 # the simple baselines and the DP-DRO methods, from the algorithms' declarations (AlgorithmSpec.dro)
 BASELINES = tuple(n for n, s in ALGORITHM_SPECS.items() if not s.dro)
@@ -245,6 +253,12 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
                  "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
                  if any(own in line for f in files for line in leading_comments(f.read_text()))
                  else "so none of its data chose anything")
+        levered = lever_chosen_methods(dataset, epsilon, configs)
+        if levered:  # keys chosen after the transfer by one-factor lever tables on this data set's validation split
+            tables = (f"the keys of {', '.join(levered)} that one-factor lever tables on its validation split chose "
+                      "(`dpdro lab levers`; each file's comment lines name the keys, the table and the figures)")
+            chose = (f"so none of its data chose anything but {tables}" if chose.startswith("so none")
+                     else f"{chose}, and {tables}")
         searched = searched_methods(dataset, epsilon, configs)
         if searched:
             return (f"Hyper-parameters: **searched on {dataset}** for {', '.join(searched)} (the same budget each, "
@@ -252,9 +266,11 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
                     "every "
                     f"other method keeps the keys its search on {source} selected (`dpdro lab tune --dataset {dataset} "
                     f"--transfer-from {source}`), {chose}.")
+        effort = (f"unequal tuning effort: {', '.join(levered)} had more on {dataset} than the other methods"
+                  if levered else "equal tuning effort: every method's keys come from the same search")
         return (f"Hyper-parameters: **transferred from {source}** (`dpdro lab tune --dataset {dataset} --transfer-from "
                 f"{source}`): each method keeps the keys its search on {source} selected; no trial ran on {dataset}, "
-                f"{chose} (equal tuning effort: every method's keys come from the same search).")
+                f"{chose} ({effort}).")
     return f"Hyper-parameters: searched on {dataset} (docs/research/TUNING.md)."
 
 

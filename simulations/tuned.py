@@ -17,6 +17,10 @@ SEARCH_MARK = "# Tuned by `dpdro tune --dataset"  # first line of a file written
 # before it: ``dpdro evaluate --posthoc-tau T1 T2 ...``); transferred files quote the source's first line, so the
 # mark travels with the key.
 RECHOSEN_MARK = "posthoc-tau then re-chosen"
+# In a comment line at the top of a tuned file some of whose keys a one-factor lever table (``dpdro lab levers``,
+# simulations/levers.py) chose on a validation split of the data set, after the search or the transfer:
+# ``# <keys> {LEVERS_MARK} on <dataset>'s validation split ...``.
+LEVERS_MARK = "re-chosen by `dpdro lab levers`"
 # The configuration key through which a run knows what of it was chosen on a validation split of its private
 # training records (the summary's not_accounted lists each item); the tools that choose set it in their files.
 CHOSEN_KEY = "chosen-on-private-data"
@@ -47,6 +51,16 @@ def searched_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:
     return sorted(f.stem.removeprefix(prefix)
                   for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
                   if f.read_text().startswith(mark))
+
+
+def lever_chosen_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:
+    """The methods whose tuned file of (dataset, epsilon) says (``LEVERS_MARK`` in a comment line at its top) that
+    a lever table on ``dataset``'s validation split chose some of its keys, sorted."""
+    prefix = tuned_config_path(dataset, epsilon, "", Path()).stem
+    own = f"{LEVERS_MARK} on {dataset}'s"
+    return sorted(f.stem.removeprefix(prefix)
+                  for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
+                  if any(own in line for line in leading_comments(f.read_text())))
 
 
 def leading_comments(text: str) -> list[str]:

@@ -219,10 +219,11 @@ def test_every_shipped_config_file_is_valid(path):
 def test_every_shipped_choice_made_on_private_data_is_marked(path):
     """A file whose keys a search chose on a validation split of its data set (first line SEARCH_MARK, or a best
     file of the search) says so in key chosen-on-private-data, and so does one whose post-hoc tau was re-chosen on
-    it (RECHOSEN_MARK) or whose method was (best files, main.toml): a run of it lists each as not accounted.
+    it (RECHOSEN_MARK), whose keys a lever table chose on it (LEVERS_MARK: hyper-parameters, and the post-hoc tau
+    when the line names it) or whose method was (best files, main.toml): a run of it lists each as not accounted.
     Transferred and hand-set files chose nothing on their data set's records and carry no mark."""
     from dpdro.common.config import load_toml_keys
-    from dpdro.simulations.tuned import RECHOSEN_MARK, SEARCH_MARK, leading_comments
+    from dpdro.simulations.tuned import LEVERS_MARK, RECHOSEN_MARK, SEARCH_MARK, leading_comments
 
     text = path.read_text()
     keys = load_toml_keys(path)
@@ -232,6 +233,9 @@ def test_every_shipped_choice_made_on_private_data_is_marked(path):
         expected |= {"hyper-parameters"} | ({"posthoc-tau"} if "posthoc-tau" in keys else set())
     if any(RECHOSEN_MARK in line for line in leading_comments(text)):
         expected.add("posthoc-tau")
+    for line in leading_comments(text):
+        if LEVERS_MARK in line:
+            expected |= {"hyper-parameters"} | ({"posthoc-tau"} if "posthoc-tau" in line else set())
     if best:
         expected.add("model")
     assert set(Config.from_mapping(keys).chosen_on_private) == expected

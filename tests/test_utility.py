@@ -508,6 +508,17 @@ def test_transfer_keeps_the_searched_keys_and_takes_the_rest_from_the_target(tmp
     assert rechosen_tau_line("fashion-mnist-st", 4.0, configs, ["dp-sgda"]).endswith(": dp-sgda (0.5).")
     assert "only its validation split chose a key" in _origin_line("fashion-mnist-st", 4.0, configs)
     assert "none of its data chose anything" in _origin_line("celeba", 4.0, configs)
+    # keys a lever table chose on the data set's validation split after the transfer are named, method by method
+    from dpdro.simulations.tuned import LEVERS_MARK
+
+    tune.write_toml(configs / "tuned" / "celeba-eps4-dp-sgd.toml", {**src, "algorithm": "dp-sgd", "dataset": "celeba"},
+                    "# Transferred by `dpdro tune --dataset celeba --epsilon 4 --transfer-from mnist-st`.\n"
+                    f"# rho {LEVERS_MARK} on celeba's validation split: 0.2.\n")
+    line = _origin_line("celeba", 4.0, configs)
+    assert ("no trial ran on celeba, so none of its data chose anything but the keys of dp-sgd that one-factor "
+            "lever tables on its validation split chose (`dpdro lab levers`;") in line
+    assert line.endswith("(unequal tuning effort: dp-sgd had more on celeba than the other methods).")
+    (configs / "tuned" / "celeba-eps4-dp-sgd.toml").unlink()
     (configs / "tuned" / "fashion-mnist-st-eps4-dp-sgda.toml").unlink()
     assert "**transferred from mnist-st**" in _origin_line("celeba", 4.0, configs)
     with pytest.raises(ValueError, match="no tuned config fashion-mnist-st-eps4"):

@@ -33,9 +33,10 @@ A run does not update with one estimate but with many: the per-iteration MSE say
 consecutive estimates add up. At q = 1 every estimate carries fresh noise, which averages out over iterations; in a
 SPIDER phase the refresh's noise enters all q estimates of the phase and each difference's noise every later one,
 so they do not. The window variance measures this: the variance (sampling + noise) of the mean of the estimates
-over a window of W = max(q) iterations, the mean that W plain steps apply, from complete phases (W / q
-independent ones, release k of a phase entering it with coefficient c_k = (1/q) sum_{i=0}^{q-1-k} decay^i, decay 1
-for SPIDER), with the clip bias left out. At q = 1 it is the per-release variance / W.
+over a window of W = lcm of the q's iterations (max(q) for 1, 2, 4, ...), the mean that W plain steps apply, from
+complete phases (W / q independent ones, release k of a phase entering it with coefficient
+c_k = (1/q) sum_{i=0}^{q-1-k} decay^i, decay 1 for SPIDER), with the clip bias left out. At q = 1 it is the
+per-release variance / W.
 
 The trajectory: the method's own run at ``--trajectory-q`` (default 1) through the product's releaser
 (setup releases, calibrated noise, Poisson batches, warm-up), its noise and batches drawn from ``seed``; its
@@ -392,9 +393,9 @@ def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = D
         noise, eps = noise_plan(q_cfg, n, trajectory.dim, train.num_classes, train.num_groups, trajectory.delta)
         plans[q] = {"noise": noise, "epsilon_planned": eps}
         for ref, diff in pairs:
+            decay = 1.0 - levers.storm_a(q_cfg) if ref == "x-refresh" else 1.0
             for t in ts:
                 t0 = t - t % q
-                decay = 1.0 - levers.storm_a(q_cfg) if ref == "x-refresh" else 1.0
                 terms = estimate_terms(stats[(ref, t0, REFRESH)], [stats[(ref, k, DIFF)] for k in range(t0 + 1, t + 1)],
                                        stats[(ref, t, REFRESH)], n, noise[ref], noise[diff], decay)
                 kind = REFRESH if t == t0 else DIFF
@@ -403,12 +404,11 @@ def diagnose(keys: Mapping[str, Any], train: ArrayDataset, qs: Sequence[int] = D
                              "epsilon": cfg.epsilon, "q": q, "t": t, "kind": kind, **terms, "clip": this.clip,
                              "clip_fraction": this.clip_fraction, "clip_ratio": this.clip_ratio,
                              "step_norm": step.get(t, math.nan)})
-            decay = 1.0 - levers.storm_a(q_cfg) if ref == "x-refresh" else 1.0
             phases = [phase_mean_variance([(stats[(ref, t0, REFRESH)], noise[ref]),
                                            *((stats[(ref, k, DIFF)], noise[diff]) for k in range(t0 + 1, t0 + q))],
                                           n, decay)
                       for t0 in ts if t0 % q == 0 and t0 + q - 1 in ts]  # complete phases only
-            windows[(block_name(ref), q)] = window_variance(phases, q, max(qs))
+            windows[(block_name(ref), q)] = window_variance(phases, q, math.lcm(*qs))
     facts = {"n": n, "delta": trajectory.delta, "target_records": m, "dim": trajectory.dim, "seed": seed,
              "iterations_planned": cfg.iterations, "measured": [skip, skip + measure - 1],
              "trajectory": f"{cfg.algorithm} at q={trajectory_q}, dro-level={cfg.dro_level}, epsilon={cfg.epsilon:g}",
@@ -478,8 +478,8 @@ def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
 
 def table_text(summary: list[dict]) -> str:
     """The summary as a Markdown table: per block and q the noise multipliers, the target's mean squared norm
-    ||g||^2, the mean terms, the dominant one, mse against q = 1, the mean step Delta_t and the difference clip's
-    statistics."""
+    ||g||^2, the mean terms, the dominant one, mse and window variance against q = 1's, the mean step Delta_t and
+    the difference clip's statistics."""
     head = ("| method | level | block | eps | q | z ref / diff | \\|g\\|^2 | mse | sampling | noise | clip bias | "
             "dominant | mse / q=1 | window / q=1 | step | diff clip | clipped | cut ratio |")
     lines = [head, "|" + "---|" * (head.replace("\\|", "").count("|") - 1)]  # \| is a pipe inside a cell

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default="runs/levers", help="the runs live in ROOT/NAME (default: runs/levers)")
     shared.add_output_arguments(p, "levers-NAME.md", "runs/levers")
     p.add_argument("--against", action="append", default=[], metavar="LABEL",
-                   help="also compare every variant with the row of this label (repeatable; the file's row always)")
+                   help="also compare every row with the row of this label (repeatable); the file's row is always one")
     p.add_argument("--report", action="store_true", help="run nothing: write the table from finished runs")
 
 

@@ -23,10 +23,13 @@ name scipy 1.15 deprecated and later releases removed. ``import_kymatio`` define
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,18 +152,35 @@ def compute_features(x: torch.Tensor, features: str, cache_dir: Path | None, nam
         return x
     x = x.detach().cpu()
     shape = (int(x.shape[0]), *feature_shape(tuple(x.shape[1:])))
-    path = cache_path(x, features, cache_dir, name) if cache_dir is not None else None
-    if path is not None and path.is_file() and (cached := _read(path, shape)) is not None:
-        return torch.from_numpy(cached)
-    out = scatter(x)
-    if path is not None:
+    if cache_dir is None:
+        return scatter(x)
+    path = cache_path(x, features, cache_dir, name)
+    with _entry_lock(path):  # runs started side by side (a sweep's jobs) compute an entry once; the others read it
+        if path.is_file() and (cached := _read(path, shape)) is not None:
+            return torch.from_numpy(cached)
+        out = scatter(x)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_writer(path, mode=0o600) as f:  # the node's own records
                 np.savez(f, features=out.numpy())
         except OSError as e:
             log.warning("could not write the features cache %s: %s", path, e)
     return out
+
+
+@contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock (fcntl.flock, released when the process ends) on ``<path>.lock`` among the processes
+    of this machine; without one (a cache folder that cannot be written) go on unlocked, as before."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except OSError as e:
+        log.warning("no lock for the features cache %s (%s): parallel runs may compute it twice", path, e)
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def feature_description(features: str) -> str:

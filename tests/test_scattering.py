@@ -11,6 +11,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,7 +100,7 @@ def test_the_features_of_real_cifar_images_are_kymatios_scattering(tmp_path):
 def test_the_cache_returns_the_same_features_and_rebuilds_a_damaged_entry(tmp_path, monkeypatch, caplog):
     x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     first = scattering.compute_features(x, "scatternet", tmp_path, "cifar10-st")
-    (path,) = (tmp_path / "features").iterdir()
+    (path,) = (tmp_path / "features").glob("*.npz")
     assert path.name.startswith("cifar10-st-") and path.stat().st_mode & 0o777 == 0o600
     assert path == scattering.cache_path(x, "scatternet", tmp_path, "cifar10-st")
     computed = []
@@ -110,7 +112,7 @@ def test_the_cache_returns_the_same_features_and_rebuilds_a_damaged_entry(tmp_pa
     other = x.clone()
     other[0, 0, 0, 0] = 0.5
     scattering.compute_features(other, "scatternet", tmp_path, "cifar10-st")
-    assert computed == [6] and len(list((tmp_path / "features").iterdir())) == 2
+    assert computed == [6] and len(list((tmp_path / "features").glob("*.npz"))) == 2
     # a truncated entry is found (the zip's CRC or its end record) and rebuilt with the same values
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -118,6 +120,18 @@ def test_the_cache_returns_the_same_features_and_rebuilds_a_damaged_entry(tmp_pa
         rebuilt = scattering.compute_features(x, "scatternet", tmp_path, "cifar10-st")
     assert computed == [6, 6] and torch.equal(rebuilt, first)
     assert "are damaged" in caplog.text and path.read_bytes() == data
+    # runs started side by side compute an entry once: the second waits for the first's lock, then reads
+    fresh = x.flip(0)
+    slow = []
+    monkeypatch.setattr(scattering, "scatter", lambda v: slow.append(len(v)) or time.sleep(0.5) or real(v))
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, scattering.compute_features(fresh, "scatternet", tmp_path, "cifar10-st"))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert slow == [6] and torch.equal(results[0], results[1])
     # 'none' is the records themselves; other values and non-images are clear errors
     assert scattering.compute_features(x, "none", tmp_path) is x
     with pytest.raises(ValueError, match="config key 'features': got 'pca'; allowed: none, scatternet"):

@@ -169,8 +169,8 @@ def compute_features(x: torch.Tensor, features: str, cache_dir: Path | None, nam
 
 @contextmanager
 def _entry_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock (fcntl.flock, released when the process ends) on ``<path>.lock`` among the processes
-    of this machine; without one (a cache folder that cannot be written) go on unlocked, as before."""
+    """Hold an exclusive lock (fcntl.flock) on ``<path>.lock`` among the processes of this machine, released at the
+    block's end or when the process dies; without one (a cache folder that cannot be written) go on unlocked."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 (held across the yield)

@@ -16,10 +16,11 @@ from ..common.algorithm_specs import ALGORITHM_SPECS
 from ..common.atomic import atomic_write_text
 from .tune import SPACES
 from .tuned import (
+    LEVERS_MARK,
     RECHOSEN_MARK,
     TUNED_CONFIGS,
     leading_comments,
-    lever_chosen_methods,
+    marked_methods,
     searched_methods,
     transferred_from,
     tuned_config_path,
@@ -247,13 +248,11 @@ def _origin_line(dataset: str, epsilon: float, configs: Path) -> str:
     """Where the data set's hyper-parameters came from (tune.transferred_from), as a sentence."""
     source = transferred_from(dataset, epsilon, configs)
     if source:
-        own = f"{RECHOSEN_MARK} on {dataset}'s"
-        files = (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
         chose = ("only its validation split chose a key: the post-hoc tau of the methods named below (`dpdro lab tune "
                  "--choose-posthoc-tau`, the same rule for each method that releases class priors)"
-                 if any(own in line for f in files for line in leading_comments(f.read_text()))
+                 if marked_methods(dataset, epsilon, configs, f"{RECHOSEN_MARK} on {dataset}'s")
                  else "so none of its data chose anything")
-        levered = lever_chosen_methods(dataset, epsilon, configs)
+        levered = marked_methods(dataset, epsilon, configs, f"{LEVERS_MARK} on {dataset}'s")
         if levered:  # keys chosen after the transfer by one-factor lever tables on this data set's validation split
             tables = (f"the keys of {', '.join(levered)} that one-factor lever tables on its validation split chose "
                       "(`dpdro lab levers`; each file's comment lines name the keys, the table and the figures)")

@@ -31,13 +31,20 @@ def tuned_config_path(dataset: str, epsilon: float, algorithm: str, folder: Path
     return folder / f"{dataset}-eps{epsilon:g}-{algorithm}.toml"
 
 
+def tuned_texts(dataset: str, epsilon: float, configs: Path) -> dict[str, str]:
+    """Method -> the text of its tuned file of (dataset, epsilon) under ``configs``/tuned, in method order."""
+    prefix = tuned_config_path(dataset, epsilon, "", Path()).stem  # '<dataset>-eps<e>-'
+    files = sorted((configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name))
+    return {f.stem.removeprefix(prefix): f.read_text() for f in files}
+
+
 def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
     """The source data set when the data set's tuned files were written by ``transfer_tuned`` (their first line
     says so); None when they came from a search on the data set or there are none."""
-    files = sorted((configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name))
-    if not files:
+    texts = list(tuned_texts(dataset, epsilon, configs).values())
+    if not texts:
         return None
-    first = files[0].read_text().splitlines()[0]
+    first = texts[0].splitlines()[0]
     if not first.startswith(TRANSFER_MARK) or "--transfer-from " not in first:
         return None
     return first.split("--transfer-from ")[1].split("`")[0]
@@ -46,21 +53,16 @@ def transferred_from(dataset: str, epsilon: float, configs: Path) -> str | None:
 def searched_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:
     """The methods whose tuned file of (dataset, epsilon) a search on that data set wrote (its first line says so),
     sorted; [] when none did."""
-    prefix = tuned_config_path(dataset, epsilon, "", Path()).stem  # '<dataset>-eps<e>-'
     mark = f"{SEARCH_MARK} {dataset} "
-    return sorted(f.stem.removeprefix(prefix)
-                  for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
-                  if f.read_text().startswith(mark))
+    return [m for m, text in tuned_texts(dataset, epsilon, configs).items() if text.startswith(mark)]
 
 
-def lever_chosen_methods(dataset: str, epsilon: float, configs: Path) -> list[str]:
-    """The methods whose tuned file of (dataset, epsilon) says (``LEVERS_MARK`` in a comment line at its top) that
-    a lever table on ``dataset``'s validation split chose some of its keys, sorted."""
-    prefix = tuned_config_path(dataset, epsilon, "", Path()).stem
-    own = f"{LEVERS_MARK} on {dataset}'s"
-    return sorted(f.stem.removeprefix(prefix)
-                  for f in (configs / "tuned").glob(tuned_config_path(dataset, epsilon, "*", Path()).name)
-                  if any(own in line for line in leading_comments(f.read_text())))
+def marked_methods(dataset: str, epsilon: float, configs: Path, mark: str) -> list[str]:
+    """The methods whose tuned file of (dataset, epsilon) has ``mark`` in a comment line at its top, sorted:
+    ``f"{RECHOSEN_MARK} on {dataset}'s"`` (a post-hoc tau re-chosen on the data set's validation split) or
+    ``f"{LEVERS_MARK} on {dataset}'s"`` (keys a lever table chose on it)."""
+    return [m for m, text in tuned_texts(dataset, epsilon, configs).items()
+            if any(mark in line for line in leading_comments(text))]
 
 
 def leading_comments(text: str) -> list[str]:
